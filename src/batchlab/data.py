@@ -1,0 +1,173 @@
+"""Generate, load, split and save datasets. Every array is float32 features and int64 labels."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from sklearn import datasets as skdatasets
+from sklearn.model_selection import train_test_split
+
+from batchlab import atomic
+from batchlab.config import DataConfig
+
+SPLITS = ("train", "val", "test")
+BUNDLED = {
+    "breast_cancer": skdatasets.load_breast_cancer,
+    "digits": skdatasets.load_digits,
+    "wine": skdatasets.load_wine,
+    "iris": skdatasets.load_iris,
+}
+
+
+class DataError(ValueError):
+    """Input data that cannot be trained on; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class Split:
+    x: np.ndarray
+    y: np.ndarray
+
+
+@dataclass(frozen=True)
+class Dataset:
+    train: Split
+    val: Split
+    test: Split
+    feature_names: list[str]
+    class_names: list[str]
+
+    @property
+    def n_features(self) -> int:
+        return int(self.train.x.shape[1])
+
+    @property
+    def n_classes(self) -> int:
+        return len(self.class_names)
+
+    def content_hash(self) -> str:
+        digest = hashlib.sha256()
+        for name in SPLITS:
+            split: Split = getattr(self, name)
+            digest.update(np.ascontiguousarray(split.x).tobytes())
+            digest.update(np.ascontiguousarray(split.y).tobytes())
+        return digest.hexdigest()[:16]
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "content_hash": self.content_hash(),
+            "n_features": self.n_features,
+            "n_classes": self.n_classes,
+            "feature_names": self.feature_names,
+            "class_names": self.class_names,
+            "splits": {
+                name: {
+                    "rows": int(getattr(self, name).y.shape[0]),
+                    "class_counts": np.bincount(getattr(self, name).y, minlength=self.n_classes).tolist(),
+                }
+                for name in SPLITS
+            },
+        }
+
+
+def raw_table(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
+    """Rows, labels (any hashable), feature names and class names before the split."""
+    if cfg.source == "synthetic":
+        x, y = skdatasets.make_classification(
+            n_samples=cfg.samples,
+            n_features=cfg.features,
+            n_informative=cfg.informative,
+            n_redundant=min(2, cfg.features - cfg.informative),
+            n_classes=cfg.classes,
+            class_sep=cfg.class_sep,
+            flip_y=cfg.label_noise,
+            random_state=cfg.seed,
+        )
+        return x, y, [f"x{i}" for i in range(cfg.features)], [str(c) for c in range(cfg.classes)]
+    if cfg.source == "csv":
+        return _read_csv(Path(cfg.csv_path or ""), cfg.target)
+    bunch = BUNDLED[cfg.source]()
+    return bunch.data, bunch.target, [str(n) for n in bunch.feature_names], [str(n) for n in bunch.target_names]
+
+
+def _read_csv(path: Path, target: str) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
+    import pandas as pd
+
+    if not path.is_file():
+        raise DataError(f"data.csv_path {str(path)!r} does not exist")
+    frame = pd.read_csv(path)
+    if target not in frame.columns:
+        raise DataError(
+            f"data.target column {target!r} is not in {path.name}; columns are {list(frame.columns)}"
+        )
+    features = frame.drop(columns=[target])
+    non_numeric = [c for c in features.columns if not pd.api.types.is_numeric_dtype(features[c])]
+    if non_numeric:
+        raise DataError(f"{path.name}: feature columns must be numeric; not numeric: {non_numeric}")
+    nan_cols = frame.columns[frame.isna().any()].tolist()
+    if nan_cols:
+        raise DataError(f"{path.name}: missing values (NaN) in columns {nan_cols}; fill or drop them first")
+    classes = sorted(frame[target].unique().tolist(), key=str)
+    if len(classes) < 2:
+        raise DataError(f"{path.name}: target {target!r} has a single class ({classes[0]!r}); need at least 2")
+    index = {c: i for i, c in enumerate(classes)}
+    y = frame[target].map(index).to_numpy()
+    return features.to_numpy(dtype=np.float64), y, [str(c) for c in features.columns], [str(c) for c in classes]
+
+
+def build(cfg: DataConfig) -> tuple[Dataset, dict[str, list[float]]]:
+    """Stratified train/val/test split, standardized with statistics of the train split only."""
+    x, y, feature_names, class_names = raw_table(cfg)
+    y = np.asarray(y, dtype=np.int64)
+    counts = np.bincount(y)
+    if counts.min() < 3:
+        raise DataError(f"every class needs at least 3 rows to split train/val/test; counts are {counts.tolist()}")
+    x_rest, x_test, y_rest, y_test = train_test_split(
+        x, y, test_size=cfg.test_fraction, stratify=y, random_state=cfg.seed
+    )
+    val_share = cfg.val_fraction / (1 - cfg.test_fraction)
+    x_train, x_val, y_train, y_val = train_test_split(
+        x_rest, y_rest, test_size=val_share, stratify=y_rest, random_state=cfg.seed
+    )
+    mean = x_train.mean(axis=0)
+    std = x_train.std(axis=0)
+    std[std == 0] = 1.0  # constant columns stay constant instead of dividing by zero
+
+    def scaled(a: np.ndarray) -> np.ndarray:
+        return ((a - mean) / std).astype(np.float32)
+
+    dataset = Dataset(
+        train=Split(scaled(x_train), y_train),
+        val=Split(scaled(x_val), y_val),
+        test=Split(scaled(x_test), y_test),
+        feature_names=feature_names,
+        class_names=class_names,
+    )
+    return dataset, {"mean": mean.tolist(), "std": std.tolist()}
+
+
+def save(dataset: Dataset, scaler: dict[str, list[float]], folder: str | Path) -> dict[str, object]:
+    """Write one .npy per array (byte-for-byte reproducible) plus dataset.json, atomically."""
+    summary = {**dataset.summary(), "scaler": scaler}
+    with atomic.atomic_path(folder) as tmp:
+        tmp.mkdir()
+        for name in SPLITS:
+            split: Split = getattr(dataset, name)
+            np.save(tmp / f"x_{name}.npy", split.x)
+            np.save(tmp / f"y_{name}.npy", split.y)
+        (tmp / "dataset.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def load(folder: str | Path) -> Dataset:
+    folder = Path(folder)
+    meta_path = folder / "dataset.json"
+    if not meta_path.is_file():
+        raise DataError(f"no prepared dataset in {folder} (run `batchlab generate` or `dvc repro generate`)")
+    meta = json.loads(meta_path.read_text())
+    splits = {n: Split(np.load(folder / f"x_{n}.npy"), np.load(folder / f"y_{n}.npy")) for n in SPLITS}
+    return Dataset(**splits, feature_names=meta["feature_names"], class_names=meta["class_names"])

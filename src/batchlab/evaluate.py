@@ -1,0 +1,61 @@
+"""Test-split metrics from predictions, computed with scikit-learn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from sklearn import metrics as skm
+
+from batchlab import atomic
+
+
+def classification_metrics(
+    y_true: np.ndarray, y_pred: np.ndarray, proba: np.ndarray, class_names: list[str]
+) -> dict[str, float]:
+    """accuracy, precision/recall/F1 (macro, weighted, per class) and ROC-AUC when binary."""
+    labels = list(range(len(class_names)))
+    out: dict[str, float] = {"accuracy": float(skm.accuracy_score(y_true, y_pred))}
+    for average in ("macro", "weighted"):
+        p, r, f, _ = skm.precision_recall_fscore_support(
+            y_true, y_pred, labels=labels, average=average, zero_division=0
+        )
+        out |= {f"precision_{average}": float(p), f"recall_{average}": float(r), f"f1_{average}": float(f)}
+    p, r, f, support = skm.precision_recall_fscore_support(y_true, y_pred, labels=labels, zero_division=0)
+    for i, name in enumerate(class_names):
+        key = _safe(name)
+        out |= {f"precision_{key}": float(p[i]), f"recall_{key}": float(r[i]), f"f1_{key}": float(f[i])}
+    if len(class_names) == 2:
+        out["roc_auc"] = float(skm.roc_auc_score(y_true, proba[:, 1]))
+    else:
+        out["roc_auc_ovr"] = float(skm.roc_auc_score(y_true, proba, multi_class="ovr", labels=labels))
+    return out
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def confusion(y_true: np.ndarray, y_pred: np.ndarray, n_classes: int) -> np.ndarray:
+    return skm.confusion_matrix(y_true, y_pred, labels=list(range(n_classes)))
+
+
+def save_confusion_png(matrix: np.ndarray, class_names: list[str], path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    size = 3 + 0.4 * len(class_names)
+    fig, ax = plt.subplots(figsize=(size, size))
+    skm.ConfusionMatrixDisplay(matrix, display_labels=class_names).plot(ax=ax, colorbar=False)
+    ax.set_title("Confusion matrix (test split)")
+    fig.tight_layout()
+    atomic.write_with(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    plt.close(fig)
+
+
+def predictions_csv(y_true: np.ndarray, y_pred: np.ndarray, class_names: list[str]) -> str:
+    """One row per test example, the shape `dvc plots` confusion templates read."""
+    rows = ["actual,predicted"] + [f"{class_names[t]},{class_names[p]}" for t, p in zip(y_true, y_pred)]
+    return "\n".join(rows) + "\n"

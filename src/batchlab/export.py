@@ -1,0 +1,121 @@
+"""ONNX export and the parity gate: onnxruntime must give torch's answers, or the stage fails."""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from batchlab import atomic
+
+log = logging.getLogger(__name__)
+PARITY_BATCHES = (1, 7, 0)  # 0 = every row at once
+
+
+class ParityError(RuntimeError):
+    """onnxruntime and torch disagree beyond the tolerance."""
+
+
+@dataclass(frozen=True)
+class ParityResult:
+    batch: int
+    max_abs_diff: float
+    mismatched_predictions: int
+
+
+def export_onnx(model: nn.Module, n_features: int, path: str | Path, opset: int) -> None:
+    """Write the model as ONNX with a dynamic batch axis, checked by onnx.checker."""
+    import onnx
+
+    model = model.eval().cpu()
+    # batch 2, not 1: an example batch of 1 specialises the batch axis (pytorch#148886)
+    example = torch.zeros(2, n_features)
+    batch = torch.export.Dim("batch", min=1)
+
+    def write(tmp: Path) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                model,
+                (example,),
+                str(tmp),
+                input_names=["features"],
+                output_names=["logits"],
+                dynamic_shapes=({0: batch},),
+                opset_version=opset,
+                dynamo=True,
+                verbose=False,
+            )
+        onnx.checker.check_model(str(tmp), full_check=True)
+
+    for name in ("torch.onnx", "onnxscript"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    atomic.write_with(path, write)
+
+
+def _session(path: str | Path) -> Any:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def check_parity(model: nn.Module, onnx_path: str | Path, x: np.ndarray, atol: float) -> list[ParityResult]:
+    """Compare logits on all of `x` at several batch sizes; raise ParityError beyond `atol`."""
+    session = _session(onnx_path)
+    model = model.eval().cpu()
+    results = []
+    for batch in PARITY_BATCHES:
+        size = batch or x.shape[0]
+        ort_out, torch_out = [], []
+        for i in range(0, x.shape[0], size):
+            chunk = x[i : i + size]
+            ort_out.append(session.run(["logits"], {"features": chunk})[0])
+            with torch.no_grad():
+                torch_out.append(model(torch.from_numpy(chunk)).numpy())
+        a, b = np.concatenate(ort_out), np.concatenate(torch_out)
+        results.append(
+            ParityResult(
+                batch=size,
+                max_abs_diff=float(np.abs(a - b).max()),
+                mismatched_predictions=int((a.argmax(1) != b.argmax(1)).sum()),
+            )
+        )
+    failed = [r for r in results if r.max_abs_diff > atol or r.mismatched_predictions]
+    if failed:
+        detail = "; ".join(
+            f"batch {r.batch}: max |diff| {r.max_abs_diff:.2e}, {r.mismatched_predictions} predictions differ"
+            for r in failed
+        )
+        raise ParityError(f"ONNX parity failed (export.atol={atol}): {detail}")
+    return results
+
+
+def latency_us(model: nn.Module, onnx_path: str | Path, x: np.ndarray, repeats: int = 200) -> dict[str, float]:
+    """Median microseconds per call, batch 1 and full batch, onnxruntime vs torch eager."""
+    session = _session(onnx_path)
+    model = model.eval().cpu()
+    out: dict[str, float] = {}
+    for label, batch in (("batch1", x[:1]), ("full", x)):
+        tensor = torch.from_numpy(batch)
+        n = repeats if label == "batch1" else max(5, repeats // 20)
+        for engine, call in (
+            ("onnxruntime", lambda: session.run(["logits"], {"features": batch})),
+            ("torch", lambda: model(tensor)),
+        ):
+            times = []
+            with torch.no_grad():
+                for _ in range(n):
+                    start = time.perf_counter()
+                    call()
+                    times.append(time.perf_counter() - start)
+            out[f"{engine}_{label}_us"] = float(np.median(times) * 1e6)
+    return out

@@ -1,0 +1,53 @@
+"""Start DDP training through torch's elastic launcher (torchrun), so no stage needs a special command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from batchlab.config import TrainConfig
+
+RUN_ID_ENV = "BATCHLAB_RUN_ID"
+
+
+class LaunchError(RuntimeError):
+    """The launcher exited non-zero: a rank failed and restarts (if any) were used up."""
+
+
+def is_worker() -> bool:
+    """True inside a process that torchrun started."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def torchrun_args(cfg: TrainConfig) -> list[str]:
+    args = ["--nproc-per-node", str(cfg.nproc), "--max-restarts", str(cfg.max_restarts)]
+    if cfg.nnodes == 1:
+        # a free local port for the rendezvous, so parallel sweeps never collide
+        return [*args, "--standalone"]
+    host, _, port = cfg.rdzv_endpoint.rpartition(":")
+    # static rendezvous: node_rank 0 hosts global rank 0, which writes every output
+    return [*args, "--nnodes", str(cfg.nnodes), "--node-rank", str(cfg.node_rank),
+            "--master-addr", host, "--master-port", port]  # fmt: skip
+
+
+def worker_env(cfg: TrainConfig, run_id: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    # processes fight over cores unless each is told its share
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // cfg.nproc)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["BATCHLAB_THREADS"] = str(threads)
+    if run_id:
+        env[RUN_ID_ENV] = run_id
+    else:
+        env.pop(RUN_ID_ENV, None)
+    return env
+
+
+def launch(cfg: TrainConfig, stage_args: list[str], run_id: str | None) -> None:
+    """Run `batchlab <stage_args>` on every rank of this machine; raise LaunchError on failure."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(cfg), "-m", "batchlab.cli", *stage_args]
+    code = subprocess.run(cmd, env=worker_env(cfg, run_id), cwd=Path.cwd()).returncode
+    if code != 0:
+        raise LaunchError(f"distributed training failed: torchrun exited {code} (the failing rank's error is above)")

@@ -1,0 +1,186 @@
+"""The pipeline's stages: read inputs, call the pure functions, write outputs atomically.
+
+`batchlab <stage>` (dvc.yaml) and the Prefect flows both call these.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchlab import atomic, data, evaluate, export, launch, tracking
+from batchlab.config import Config, ConfigError
+from batchlab.model import load_model, save_model
+from batchlab.strategy import check_supported, started
+from batchlab.train import fit, steps_per_epoch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where each stage reads and writes, relative to the repo root (dvc.yaml uses the same)."""
+
+    root: Path = Path(".")
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data" / "prepared"
+
+    @property
+    def model(self) -> Path:
+        return self.root / "models" / "model.pt"
+
+    @property
+    def onnx(self) -> Path:
+        return self.root / "models" / "model.onnx"
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.root / ".batchlab" / "checkpoints" / "train.pt"
+
+    @property
+    def reports(self) -> Path:
+        return self.root / "reports"
+
+    @property
+    def run_info(self) -> Path:
+        return self.reports / "train.json"
+
+
+def generate(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
+    dataset, scaler = data.build(cfg.data)
+    summary = data.save(dataset, scaler, paths.data)
+    log.info("generate: %s rows %s, hash %s", cfg.data.source,
+             {k: v["rows"] for k, v in summary["splits"].items()}, summary["content_hash"])  # fmt: skip
+    return summary
+
+
+def _check_batch_fits(cfg: Config, dataset: data.Dataset) -> None:
+    n_train = dataset.train.y.shape[0]
+    if steps_per_epoch(n_train, cfg.train.batch_size) == 0:
+        raise ConfigError(f"train.batch_size ({cfg.train.batch_size}) is larger than the train split ({n_train} rows)")
+
+
+def history_csv(history: list[dict[str, float]]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(history[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(history)
+    return buf.getvalue()
+
+
+def train_worker(cfg: Config, params: Path, paths: Paths, tracker: tracking.Tracker | None = None) -> None:
+    """One training process: the only one, or one rank under torchrun. Rank 0 writes the outputs."""
+    threads = cfg.train.threads or int(os.environ.get("BATCHLAB_THREADS", "0"))
+    if threads:
+        torch.set_num_threads(threads)
+    dataset = data.load(paths.data)
+    with started(cfg.train) as strategy:
+        if tracker is None:
+            run_id = os.environ.get(launch.RUN_ID_ENV)
+            tracker = tracking.attach(cfg.tracking, run_id) if run_id and strategy.is_main else tracking.NullTracker()
+        result = fit(cfg, dataset, strategy, tracker, checkpoint=paths.checkpoint)
+        if strategy.is_main:
+            save_model(paths.model, result.model, cfg.model, dataset.n_features, dataset.class_names)
+            atomic.write_text(paths.reports / "history.csv", history_csv(result.history))
+            summary = {"best_epoch": result.best_epoch, "epochs_run": len(result.history),
+                       "stopped_early": result.stopped_early}  # fmt: skip
+            atomic.write_json(paths.reports / "train_summary.json", summary)
+            paths.checkpoint.unlink(missing_ok=True)
+
+
+def train(cfg: Config, params: Path, paths: Paths = Paths()) -> dict[str, Any]:
+    """Train on the prepared data; under `strategy: ddp` start the ranks through torchrun."""
+    dataset = data.load(paths.data)
+    _check_batch_fits(cfg, dataset)
+    check_supported(cfg.train)
+    with tracking.run(cfg.tracking, name="train", tags=tracking.environment_tags()) as tracker:
+        tracker.log_params(cfg.flat())
+        tracker.log_datasets(dataset, cfg.data.source)
+        tracker.set_tags({f"train.{k}": v for k, v in _strategy_tags(cfg).items()})
+        if cfg.train.strategy == "ddp":
+            launch.launch(cfg.train, ["train", "--params", str(params)], tracker.run_id)
+        else:
+            train_worker(cfg, params, paths, tracker)
+        model, _ = load_model(paths.model)
+        model_uri = tracker.log_torch_model(model, dataset.test.x[:5])
+        tracker.log_artifact(paths.reports / "history.csv")
+        info = {"run_id": tracker.run_id, "model_uri": model_uri,
+                **json.loads((paths.reports / "train_summary.json").read_text())}  # fmt: skip
+        atomic.write_json(paths.run_info, info)
+    return info
+
+
+def _strategy_tags(cfg: Config) -> dict[str, str]:
+    tc = cfg.train
+    return {"strategy": tc.strategy, "precision": tc.precision, "device": tc.device,
+            "world_size": str(tc.world_size())}  # fmt: skip
+
+
+def _run_id(paths: Paths) -> tuple[str | None, str | None]:
+    if not paths.run_info.is_file():
+        return None, None
+    info = json.loads(paths.run_info.read_text())
+    return info.get("run_id"), info.get("model_uri")
+
+
+def evaluate_stage(cfg: Config, paths: Paths = Paths()) -> dict[str, float]:
+    dataset = data.load(paths.data)
+    model, class_names = load_model(paths.model)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(dataset.test.x))
+    proba = torch.softmax(logits, dim=1).numpy()
+    y_true, y_pred = dataset.test.y, proba.argmax(1)
+    metrics = evaluate.classification_metrics(y_true, y_pred, proba, class_names)
+    run_id, model_uri = _run_id(paths)
+    with tracking.run(cfg.tracking, run_id=run_id, enabled=run_id is not None) as tracker:
+        matrix = evaluate.confusion(y_true, y_pred, len(class_names))
+        evaluate.save_confusion_png(matrix, class_names, paths.reports / "confusion.png")
+        atomic.write_text(paths.reports / "predictions.csv", evaluate.predictions_csv(y_true, y_pred, class_names))
+        atomic.write_json(paths.reports / "metrics.json", metrics)
+        tracker.log_metrics({f"test_{k}": v for k, v in metrics.items()})
+        for name in ("metrics.json", "confusion.png"):
+            tracker.log_artifact(paths.reports / name, "evaluation")
+        headline = f"f1_{cfg.evaluate.average}"
+        if model_uri and tracker.register(model_uri, metrics[headline], headline):
+            log.info("evaluate: this model is the new %r", tracking.CHAMPION)
+    log.info("evaluate: accuracy %.4f, f1_macro %.4f", metrics["accuracy"], metrics["f1_macro"])
+    return metrics
+
+
+def export_stage(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
+    dataset = data.load(paths.data)
+    model, _ = load_model(paths.model)
+    run_id, _ = _run_id(paths)
+    with tracking.run(cfg.tracking, run_id=run_id, enabled=run_id is not None) as tracker:
+        export.export_onnx(model, dataset.n_features, paths.onnx, cfg.export.opset)
+        try:
+            parity = export.check_parity(model, paths.onnx, dataset.test.x, cfg.export.atol)
+        except export.ParityError:
+            paths.onnx.unlink(missing_ok=True)  # a model that disagrees with torch is not an output
+            raise
+        report = {
+            "opset": cfg.export.opset,
+            "atol": cfg.export.atol,
+            "file_bytes": paths.onnx.stat().st_size,
+            "parity": [p.__dict__ for p in parity],
+            "max_abs_diff": max(p.max_abs_diff for p in parity),
+            "latency": export.latency_us(model, paths.onnx, dataset.test.x),
+        }
+        atomic.write_json(paths.reports / "export.json", report)
+        tracker.log_metrics({"export_max_abs_diff": report["max_abs_diff"], "onnx_file_bytes": report["file_bytes"],
+                             **{f"export_{k}": v for k, v in report["latency"].items()}})  # fmt: skip
+        tracker.log_artifact(paths.reports / "export.json", "export")
+        tracker.log_onnx_model(paths.onnx)
+    log.info("export: %s, max |onnx - torch| = %.2e", paths.onnx, report["max_abs_diff"])
+    return report
+

@@ -1,0 +1,174 @@
+"""Device, DDP, precision and gradient scaling, decided once.
+
+Every member is safe to call whatever the settings: `autocast()` is a null context in
+fp32, the scaler is disabled unless fp16, `wrap` is the identity on one process. No
+other module branches on strategy or precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import os
+import resource
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import get_total_norm
+
+from batchlab.config import ConfigError, TrainConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(cfg: TrainConfig) -> torch.device:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device is cuda but torch sees no CUDA device; use cpu or auto")
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda")
+
+
+def check_supported(cfg: TrainConfig) -> None:
+    """Reject settings this machine cannot run, before any process is started."""
+    device = resolve_device(cfg)
+    if device.type != "cuda":
+        return
+    if cfg.strategy == "ddp" and cfg.nproc > torch.cuda.device_count():
+        raise ConfigError(
+            f"train.nproc ({cfg.nproc}) is more than the CUDA devices here ({torch.cuda.device_count()})"
+        )
+    if cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("train.precision bf16 is not supported by this GPU; use fp16 or fp32")
+    if cfg.precision == "fp16" and torch.cuda.get_device_capability() < (5, 3):
+        raise ConfigError("train.precision fp16 needs a GPU of compute capability 5.3 or newer; use fp32")
+
+
+@dataclass
+class Strategy:
+    device: torch.device
+    precision: str = "fp32"
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    scaler: torch.amp.GradScaler = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> Strategy:
+        """Single process, or one rank of a group started by torchrun (RANK/WORLD_SIZE set)."""
+        check_supported(cfg)
+        device = resolve_device(cfg)
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if world_size > 1:
+            if device.type == "cuda":
+                torch.cuda.set_device(local_rank)
+                device = torch.device("cuda", local_rank)
+            if not dist.is_initialized():
+                dist.init_process_group(
+                    backend="nccl" if device.type == "cuda" else "gloo",
+                    timeout=dt.timedelta(seconds=cfg.dist_timeout_s),
+                )
+        return cls(device=device, precision=cfg.precision, rank=rank, local_rank=local_rank, world_size=world_size)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def describe(self) -> dict[str, str]:
+        return {
+            "strategy": "ddp" if self.is_distributed else "single",
+            "device": str(self.device.type),
+            "precision": self.precision,
+            "world_size": str(self.world_size),
+        }
+
+    def autocast(self) -> contextlib.AbstractContextManager[object]:
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        if not self.is_distributed:
+            return model
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+
+    @staticmethod
+    def unwrap(model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def shard(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's equal slice of a global batch (the batch size divides by world size)."""
+        per_rank = batch.shape[0] // self.world_size
+        return batch[self.rank * per_rank : (self.rank + 1) * per_rank]
+
+    def accumulating(self, model: nn.Module, last_micro_batch: bool) -> contextlib.AbstractContextManager[object]:
+        """Skip DDP's gradient all-reduce on all but the last micro-batch of a step."""
+        if isinstance(model, DistributedDataParallel) and not last_micro_batch:
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> torch.Tensor:
+        """Unscale, measure the gradient norm, step unless it is non-finite. Returns the norm.
+
+        No host sync: fused optimizers skip a step on device through `found_inf`.
+        """
+        self.scaler.unscale_(optimizer)
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = get_total_norm(grads)
+        if self.scaler.is_enabled():
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        elif getattr(optimizer, "_step_supports_amp_scaling", False):
+            optimizer.found_inf = (~torch.isfinite(norm)).float()  # type: ignore[attr-defined]
+            optimizer.step()
+        elif torch.isfinite(norm):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def mean_across_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        if self.is_distributed:
+            values = values.clone()
+            dist.all_reduce(values, op=dist.ReduceOp.SUM)
+            values /= self.world_size
+        return values
+
+    def barrier(self) -> None:
+        if self.is_distributed:
+            dist.barrier()
+
+    def peak_memory_mb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+    def close(self) -> None:
+        if self.is_distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def started(cfg: TrainConfig) -> Iterator[Strategy]:
+    strategy = Strategy.from_config(cfg)
+    try:
+        yield strategy
+    finally:
+        strategy.close()

@@ -1,0 +1,340 @@
+"""Experiment tracking at the edges. The only module that imports mlflow.
+
+`fit` and the stages receive a `Tracker`; non-zero ranks, unit tests and runs with
+tracking disabled get a `NullTracker`, whose methods do nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from batchlab.config import TrackingConfig
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from batchlab.data import Dataset
+
+CHAMPION = "champion"
+
+
+class TrackingUnavailable(RuntimeError):
+    """The tracking backend cannot be reached; raised before any training starts."""
+
+
+class Tracker(Protocol):
+    run_id: str | None
+
+    def log_params(self, params: Mapping[str, Any]) -> None: ...
+    def log_epoch(self, metrics: Mapping[str, float], step: int) -> None: ...
+    def log_metrics(self, metrics: Mapping[str, float]) -> None: ...
+    def set_tags(self, tags: Mapping[str, str]) -> None: ...
+    def log_artifact(self, path: str | Path, folder: str | None = None) -> None: ...
+    def log_datasets(self, dataset: Dataset, source: str) -> None: ...
+    def log_torch_model(self, model: nn.Module, example: np.ndarray) -> str | None: ...
+    def log_onnx_model(self, path: str | Path) -> None: ...
+    def register(self, model_uri: str, score: float, metric: str) -> bool: ...
+
+
+class NullTracker:
+    """A tracker that records nothing."""
+
+    run_id: str | None = None
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        pass
+
+    def log_epoch(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def log_metrics(self, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        pass
+
+    def log_artifact(self, path: str | Path, folder: str | None = None) -> None:
+        pass
+
+    def log_datasets(self, dataset: Dataset, source: str) -> None:
+        pass
+
+    def log_torch_model(self, model: nn.Module, example: np.ndarray) -> str | None:
+        return None
+
+    def log_onnx_model(self, path: str | Path) -> None:
+        pass
+
+    def register(self, model_uri: str, score: float, metric: str) -> bool:
+        return False
+
+
+def resolve_uri(cfg: TrackingConfig) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+
+
+def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail within seconds, naming the URI, when the tracking backend does not answer."""
+    hint = "start it, or set MLFLOW_TRACKING_URI / tracking.tracking_uri, or set tracking.enabled: false"
+    if uri.startswith(("http://", "https://")):
+        import requests
+
+        try:
+            requests.get(f"{uri.rstrip('/')}/health", timeout=timeout_s).raise_for_status()
+        except requests.RequestException as err:
+            raise TrackingUnavailable(
+                f"MLflow tracking server {uri} is unreachable ({type(err).__name__}); {hint}"
+            ) from None
+    elif uri.startswith(("postgresql", "mysql")):
+        import sqlalchemy
+
+        try:
+            engine = sqlalchemy.create_engine(uri, connect_args={"connect_timeout": int(timeout_s)})
+            with engine.connect():
+                pass
+        except Exception as err:  # driver errors have no common base class
+            raise TrackingUnavailable(f"tracking database {uri} is unreachable: {str(err).splitlines()[0]}; {hint}")
+
+
+def prepare_backend(uri: str) -> None:
+    """Create the store once under a file lock (parallel first use races on migrations) and
+    put SQLite in WAL mode with a busy timeout so concurrent writers wait instead of failing."""
+    path = _sqlite_path(uri)
+    if path is None:
+        return
+    import sqlite3
+
+    from filelock import FileLock
+    from mlflow.tracking import MlflowClient
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+        with contextlib.closing(sqlite3.connect(path, timeout=30)) as conn:
+            conn.execute("PRAGMA journal_mode=WAL")
+
+
+def _retry_locked(call: Any, *args: Any, **kwargs: Any) -> Any:
+    """SQLite says 'database is locked' when another process holds the write lock too long."""
+    for attempt in range(8):
+        try:
+            return call(*args, **kwargs)
+        except Exception as err:
+            if "database is locked" not in str(err) or attempt == 7:
+                raise
+            time.sleep(0.2 * 2**attempt)
+    return None
+
+
+def git_tags() -> dict[str, str]:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=10).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"git.commit": commit, "git.dirty": str(dirty).lower()}
+
+
+def dvc_data_hash(lock_path: str | Path = "dvc.lock", out: str = "data/prepared") -> str | None:
+    import yaml
+
+    path = Path(lock_path)
+    if not path.is_file():
+        return None
+    stage = (yaml.safe_load(path.read_text()) or {}).get("stages", {}).get("generate", {})
+    return next((o.get("md5") for o in stage.get("outs", []) if o.get("path") == out), None)
+
+
+def environment_tags() -> dict[str, str]:
+    import torch
+
+    tags = {"host": socket.gethostname(), "torch.version": torch.__version__, **git_tags()}
+    data_hash = dvc_data_hash()
+    if data_hash:
+        tags["dvc.data_hash"] = data_hash
+    return tags
+
+
+class MlflowTracker:
+    """Logs into one MLflow run, by id, so several stages (processes) share a run."""
+
+    def __init__(self, run_id: str, cfg: TrackingConfig) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.run_id = run_id
+        self.cfg = cfg
+        self.client = MlflowClient()
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        batch = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(batch), 100):
+            _retry_locked(self.client.log_batch, self.run_id, params=batch[i : i + 100])
+
+    def log_epoch(self, metrics: Mapping[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if k != "epoch"]
+        _retry_locked(self.client.log_batch, self.run_id, metrics=batch)
+
+    def log_metrics(self, metrics: Mapping[str, float]) -> None:
+        self.log_epoch(metrics, step=0)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        _retry_locked(self.client.log_batch, self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_artifact(self, path: str | Path, folder: str | None = None) -> None:
+        _retry_locked(self.client.log_artifact, self.run_id, str(path), folder)
+
+    def log_datasets(self, dataset: Dataset, source: str) -> None:
+        import mlflow
+        from mlflow.entities import DatasetInput, InputTag
+
+        digest = dataset.content_hash()
+        inputs = []
+        for context in ("train", "val", "test"):
+            split = getattr(dataset, context)
+            ds = mlflow.data.from_numpy(split.x, targets=split.y, name=f"{source}-{context}", digest=digest)
+            inputs.append(DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", context)]))
+        _retry_locked(self.client.log_inputs, self.run_id, datasets=inputs)
+
+    def _pip_requirements(self) -> list[str]:
+        # explicit requirements: inferring them costs ~10 s per model (PITFALLS.md)
+        import mlflow
+        import torch
+
+        return [f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}", "numpy"]
+
+    def log_torch_model(self, model: nn.Module, example: np.ndarray) -> str | None:
+        import mlflow
+        import torch
+        from mlflow.models import infer_signature
+
+        with torch.no_grad():
+            output = model.cpu()(torch.from_numpy(example)).numpy()
+        with _active(self.run_id):
+            info = mlflow.pytorch.log_model(
+                model,
+                name="model",
+                signature=infer_signature(example, output),
+                input_example=example[:5],
+                pip_requirements=self._pip_requirements(),
+            )
+        return str(info.model_uri)
+
+    def log_onnx_model(self, path: str | Path) -> None:
+        import mlflow
+        import onnx
+
+        with _active(self.run_id):
+            mlflow.onnx.log_model(
+                onnx.load(str(path)), name="onnx_model", pip_requirements=["onnxruntime", "numpy"]
+            )
+
+    def register(self, model_uri: str, score: float, metric: str) -> bool:
+        """Register the model; move the champion alias only when `score` beats the champion's."""
+        import mlflow
+
+        name = self.cfg.registered_model
+        if not name:
+            return False
+        version = mlflow.register_model(model_uri, name, tags={metric: f"{score:.6f}", "run_id": self.run_id})
+        try:
+            champion = self.client.get_model_version_by_alias(name, CHAMPION)
+            best = float(champion.tags.get(metric, "-inf"))
+        except mlflow.exceptions.MlflowException:
+            best = float("-inf")
+        if score > best:
+            self.client.set_registered_model_alias(name, CHAMPION, version.version)
+            return True
+        return False
+
+
+@contextlib.contextmanager
+def _active(run_id: str) -> Iterator[None]:
+    """model-logging APIs log into the active run; make ours active without ending it."""
+    import mlflow
+
+    active = mlflow.active_run()
+    if active is not None and active.info.run_id == run_id:
+        yield
+        return
+    with mlflow.start_run(run_id=run_id):
+        yield
+
+
+def attach(cfg: TrackingConfig, run_id: str) -> Tracker:
+    """Log into a run that another process owns (DDP rank 0 inside the launcher's run)."""
+    import mlflow
+
+    mlflow.set_tracking_uri(resolve_uri(cfg))
+    return MlflowTracker(run_id, cfg)
+
+
+class Interrupted(BaseException):
+    """SIGTERM, raised so that the run can be ended KILLED."""
+
+
+@contextlib.contextmanager
+def run(
+    cfg: TrackingConfig,
+    *,
+    run_id: str | None = None,
+    name: str | None = None,
+    parent_run_id: str | None = None,
+    tags: Mapping[str, str] | None = None,
+    enabled: bool = True,
+) -> Iterator[Tracker]:
+    """Open (or re-open, by id) an MLflow run; end it FAILED on error, KILLED on Ctrl-C/SIGTERM."""
+    if not (cfg.enabled and enabled):
+        yield NullTracker()
+        return
+    import mlflow
+
+    uri = resolve_uri(cfg)
+    check_reachable(uri)
+    prepare_backend(uri)
+    mlflow.set_tracking_uri(uri)
+    experiment = _retry_locked(mlflow.set_experiment, cfg.experiment)
+    active = _retry_locked(
+        mlflow.start_run,
+        run_id=run_id,
+        experiment_id=None if run_id else experiment.experiment_id,
+        run_name=name,
+        parent_run_id=parent_run_id,
+        tags=dict(tags or {}),
+        log_system_metrics=cfg.system_metrics,
+    )
+    tracker = MlflowTracker(active.info.run_id, cfg)
+    try:
+        yield tracker
+    except (KeyboardInterrupt, Interrupted):
+        mlflow.end_run(status="KILLED")
+        raise
+    except BaseException as err:
+        with contextlib.suppress(Exception):
+            tracker.set_tags({"error": f"{type(err).__name__}: {err}"[:5000]})
+        mlflow.end_run(status="FAILED")
+        raise
+    else:
+        mlflow.end_run(status="FINISHED")

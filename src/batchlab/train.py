@@ -1,0 +1,248 @@
+"""The training loop: fit(...) -> TrainResult. Nothing else lives here."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchlab import atomic
+from batchlab.config import Config, TrainConfig
+from batchlab.data import Dataset, Split
+from batchlab.model import build_model
+from batchlab.strategy import Strategy
+from batchlab.tracking import NullTracker, Tracker
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """Gradients stayed NaN/inf for too many consecutive steps."""
+
+
+@dataclass
+class TrainState:
+    """Everything a checkpoint holds beyond model/optimizer: plain values only (weights_only)."""
+
+    epoch: int = 0
+    best_val_loss: float = math.inf
+    best_epoch: int = -1
+    bad_epochs: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class TrainResult:
+    model: nn.Module
+    history: list[dict[str, float]]
+    best_epoch: int
+    stopped_early: bool
+
+
+def make_optimizer(cfg: TrainConfig, params: Any, lr: float | None = None) -> torch.optim.Optimizer:
+    lr = cfg.lr if lr is None else lr
+    # fused kernels: ~1.5-2x faster steps on CPU, and they can skip a non-finite step on device
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=True)
+    cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    return cls(params, lr=lr, weight_decay=cfg.weight_decay, fused=True)
+
+
+def make_schedule(
+    cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    total = max(1, cfg.epochs * steps_per_epoch)
+    warmup = int(cfg.warmup_epochs * steps_per_epoch)
+
+    def factor(step: int) -> float:
+        if cfg.schedule == "constant":
+            return 1.0
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def steps_per_epoch(n_rows: int, batch_size: int) -> int:
+    # full global batches only: every step sees exactly batch_size rows, so DDP ranks and
+    # accumulation shards stay equal; the remainder changes every epoch with the permutation
+    return n_rows // batch_size
+
+
+def fingerprint(cfg: Config, dataset: Dataset) -> str:
+    return f"{cfg.section_hash('model', 'train')}-{dataset.content_hash()}"
+
+
+@torch.no_grad()
+def predict_logits(model: nn.Module, x: torch.Tensor, strategy: Strategy, chunk: int = 8192) -> torch.Tensor:
+    model.eval()
+    with strategy.autocast():
+        out = [model(x[i : i + chunk]).float() for i in range(0, x.shape[0], chunk)]
+    return torch.cat(out)
+
+
+def _tensors(split: Split, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.from_numpy(split.x).to(device), torch.from_numpy(split.y).to(device)
+
+
+def _progress(total: int, start: int, enabled: bool) -> Any:
+    if enabled and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        return tqdm(total=total, initial=start, desc="train", unit="epoch")
+    return None
+
+
+def fit(
+    cfg: Config,
+    dataset: Dataset,
+    strategy: Strategy,
+    tracker: Tracker | None = None,
+    checkpoint: Path | None = None,
+) -> TrainResult:
+    """Train the model of `cfg` on `dataset`; resume from `checkpoint` when it matches the config."""
+    tc = cfg.train
+    tracker = tracker or NullTracker()
+    torch.manual_seed(tc.seed)
+    model = build_model(cfg.model, dataset.n_features, dataset.n_classes)
+    model.to(strategy.device)
+    optimizer = make_optimizer(tc, model.parameters())
+    n_train = dataset.train.y.shape[0]
+    steps = steps_per_epoch(n_train, tc.batch_size)
+    if steps == 0:
+        raise ValueError(f"train.batch_size ({tc.batch_size}) is larger than the train split ({n_train} rows)")
+    schedule = make_schedule(tc, optimizer, steps)
+    state = TrainState()
+    best_weights = copy.deepcopy(model.state_dict())
+    print_fp = fingerprint(cfg, dataset)
+    if checkpoint is not None and checkpoint.is_file():
+        saved = torch.load(checkpoint, map_location=strategy.device, weights_only=True)
+        if saved.get("fingerprint") == print_fp:
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+            schedule.load_state_dict(saved["schedule"])
+            strategy.scaler.load_state_dict(saved["scaler"])
+            best_weights = saved["best_model"]
+            state = TrainState(**saved["state"])
+            log.info("resuming from %s at epoch %d", checkpoint, state.epoch)
+        else:
+            log.info("ignoring %s: it was written for other params or data", checkpoint)
+
+    net = strategy.wrap(model)
+    params = list(model.parameters())
+    x_train, y_train = _tensors(dataset.train, strategy.device)
+    x_val, y_val = _tensors(dataset.val, strategy.device)
+    micro = tc.grad_accum_steps
+    bar = _progress(tc.epochs, state.epoch, strategy.is_main)
+    stopped_early = False
+
+    for epoch in range(state.epoch, tc.epochs):
+        # seeded per epoch (and per rank for dropout) so a resumed run replays the same numbers
+        order = torch.randperm(n_train, generator=torch.Generator().manual_seed(tc.seed * 100_003 + epoch))
+        order = order.to(strategy.device)
+        torch.manual_seed(tc.seed * 7919 + epoch * 131 + strategy.rank)
+        net.train()
+        loss_sum = torch.zeros((), device=strategy.device)
+        norm_sum = torch.zeros((), device=strategy.device)
+        norm_sq_sum = torch.zeros((), device=strategy.device)
+        nonfinite = torch.zeros((), device=strategy.device)
+        run = torch.zeros((), device=strategy.device)
+        worst_run = torch.zeros((), device=strategy.device)
+        started = time.perf_counter()
+        for step in range(steps):
+            rows = strategy.shard(order[step * tc.batch_size : (step + 1) * tc.batch_size])
+            for i, chunk in enumerate(rows.chunk(micro)):
+                with strategy.accumulating(net, last_micro_batch=i == micro - 1):
+                    with strategy.autocast():
+                        loss = F.cross_entropy(net(x_train[chunk]), y_train[chunk])
+                    strategy.backward(loss / micro)
+                loss_sum += loss.detach().float()
+            norm = strategy.step(optimizer, params).float()
+            schedule.step()
+            bad = (~torch.isfinite(norm)).float()
+            finite_norm = torch.nan_to_num(norm, nan=0.0, posinf=0.0) * (1 - bad)
+            norm_sum += finite_norm
+            norm_sq_sum += finite_norm * finite_norm
+            nonfinite += bad
+            run = (run + 1) * bad  # consecutive non-finite steps, counted on device
+            worst_run = torch.maximum(worst_run, run)
+        # one host sync per epoch: reading a value every step costs ~10% on small models
+        train_loss = strategy.mean_across_ranks(loss_sum / (steps * micro)).item()
+        seconds = time.perf_counter() - started
+        n_ok = max(1.0, steps - nonfinite.item())
+        norm_mean = norm_sum.item() / n_ok
+        norm_var = max(0.0, norm_sq_sum.item() / n_ok - norm_mean**2)
+        if worst_run.item() >= tc.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"{int(worst_run.item())} consecutive steps had non-finite gradients in epoch {epoch + 1} "
+                f"(limit train.max_nonfinite_steps={tc.max_nonfinite_steps}); lower train.lr or use fp32/bf16"
+            )
+        val_logits = predict_logits(model, x_val, strategy)
+        val_loss = F.cross_entropy(val_logits, y_val).item()
+        val_acc = (val_logits.argmax(1) == y_val).float().mean().item()
+        row = {
+            "epoch": float(epoch + 1),
+            "train_loss": train_loss,
+            "val_loss": val_loss,
+            "val_accuracy": val_acc,
+            "samples_per_s": steps * tc.batch_size / seconds,
+            "epoch_seconds": seconds,
+            "peak_memory_mb": strategy.peak_memory_mb(),
+            "grad_norm_mean": norm_mean,
+            "grad_norm_var": norm_var,
+            "nonfinite_steps": nonfinite.item(),
+            "lr": schedule.get_last_lr()[0],
+        }
+        state.history.append(row)
+        state.epoch = epoch + 1
+        if val_loss < state.best_val_loss - 1e-6:
+            state.best_val_loss, state.best_epoch, state.bad_epochs = val_loss, epoch + 1, 0
+            best_weights = copy.deepcopy(model.state_dict())
+        else:
+            state.bad_epochs += 1
+        stopped_early = 0 < tc.early_stopping_patience <= state.bad_epochs
+        if strategy.is_main:
+            tracker.log_epoch(row, step=epoch + 1)
+            if checkpoint is not None:
+                payload = {
+                    "fingerprint": print_fp,
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "schedule": schedule.state_dict(),
+                    "scaler": strategy.scaler.state_dict(),
+                    "best_model": best_weights,
+                    "state": state.__dict__,
+                }
+                atomic.write_with(checkpoint, lambda tmp: torch.save(payload, tmp))
+            _report(bar, row, tc.epochs)
+        strategy.barrier()  # no rank reads a checkpoint that is still being written
+        if stopped_early:
+            break
+    if bar is not None:
+        bar.close()
+    model.load_state_dict(best_weights)
+    model.eval()
+    return TrainResult(model=model, history=state.history, best_epoch=state.best_epoch, stopped_early=stopped_early)
+
+
+def _report(bar: Any, row: dict[str, float], epochs: int) -> None:
+    text = (
+        f"train_loss={row['train_loss']:.4f} val_loss={row['val_loss']:.4f} "
+        f"val_acc={row['val_accuracy']:.4f} {row['samples_per_s']:.0f} samples/s"
+    )
+    if bar is None:
+        log.info("epoch %d/%d %s", int(row["epoch"]), epochs, text)
+    else:
+        bar.set_postfix_str(text)
+        bar.update(1)
