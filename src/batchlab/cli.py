@@ -25,7 +25,6 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("train", help="train the model (DDP launches itself through torchrun)")
     sub.add_parser("evaluate", help="test-split metrics, confusion matrix, model registration")
     sub.add_parser("export", help="ONNX export plus the onnxruntime parity gate")
-    sub.add_parser("sweep", help="train at every sweep.batch_sizes and write the trade-off report")
     return parser
 
 
@@ -48,10 +47,6 @@ def run(argv: list[str]) -> None:
         stages.evaluate_stage(cfg, paths)
     elif args.stage == "export":
         stages.export_stage(cfg, paths)
-    elif args.stage == "sweep":
-        from batchlab import sweep
-
-        sweep.run_sweep(cfg, paths)
 
 
 def main(argv: list[str] | None = None) -> int:

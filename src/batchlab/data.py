@@ -6,21 +6,14 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from sklearn import datasets as skdatasets
-from sklearn.model_selection import train_test_split
 
 from batchlab import atomic
 from batchlab.config import DataConfig
 
 SPLITS = ("train", "val", "test")
-BUNDLED = {
-    "breast_cancer": skdatasets.load_breast_cancer,
-    "digits": skdatasets.load_digits,
-    "wine": skdatasets.load_wine,
-    "iris": skdatasets.load_iris,
-}
 
 
 class DataError(ValueError):
@@ -57,7 +50,7 @@ class Dataset:
             digest.update(np.ascontiguousarray(split.y).tobytes())
         return digest.hexdigest()[:16]
 
-    def summary(self) -> dict[str, object]:
+    def summary(self) -> dict[str, Any]:
         return {
             "content_hash": self.content_hash(),
             "n_features": self.n_features,
@@ -76,6 +69,9 @@ class Dataset:
 
 def raw_table(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
     """Rows, labels (any hashable), feature names and class names before the split."""
+    # imported here: scikit-learn costs ~1 s at start-up and only generate needs it
+    from sklearn import datasets as skdatasets
+
     if cfg.source == "synthetic":
         x, y = skdatasets.make_classification(
             n_samples=cfg.samples,
@@ -90,7 +86,7 @@ def raw_table(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray, list[str], list[
         return x, y, [f"x{i}" for i in range(cfg.features)], [str(c) for c in range(cfg.classes)]
     if cfg.source == "csv":
         return _read_csv(Path(cfg.csv_path or ""), cfg.target)
-    bunch = BUNDLED[cfg.source]()
+    bunch = getattr(skdatasets, f"load_{cfg.source}")()
     return bunch.data, bunch.target, [str(n) for n in bunch.feature_names], [str(n) for n in bunch.target_names]
 
 
@@ -101,9 +97,7 @@ def _read_csv(path: Path, target: str) -> tuple[np.ndarray, np.ndarray, list[str
         raise DataError(f"data.csv_path {str(path)!r} does not exist")
     frame = pd.read_csv(path)
     if target not in frame.columns:
-        raise DataError(
-            f"data.target column {target!r} is not in {path.name}; columns are {list(frame.columns)}"
-        )
+        raise DataError(f"data.target column {target!r} is not in {path.name}; columns are {list(frame.columns)}")
     features = frame.drop(columns=[target])
     non_numeric = [c for c in features.columns if not pd.api.types.is_numeric_dtype(features[c])]
     if non_numeric:
@@ -121,6 +115,8 @@ def _read_csv(path: Path, target: str) -> tuple[np.ndarray, np.ndarray, list[str
 
 def build(cfg: DataConfig) -> tuple[Dataset, dict[str, list[float]]]:
     """Stratified train/val/test split, standardized with statistics of the train split only."""
+    from sklearn.model_selection import train_test_split
+
     x, y, feature_names, class_names = raw_table(cfg)
     y = np.asarray(y, dtype=np.int64)
     counts = np.bincount(y)
@@ -150,7 +146,7 @@ def build(cfg: DataConfig) -> tuple[Dataset, dict[str, list[float]]]:
     return dataset, {"mean": mean.tolist(), "std": std.tolist()}
 
 
-def save(dataset: Dataset, scaler: dict[str, list[float]], folder: str | Path) -> dict[str, object]:
+def save(dataset: Dataset, scaler: dict[str, list[float]], folder: str | Path) -> dict[str, Any]:
     """Write one .npy per array (byte-for-byte reproducible) plus dataset.json, atomically."""
     summary = {**dataset.summary(), "scaler": scaler}
     with atomic.atomic_path(folder) as tmp:

@@ -21,7 +21,7 @@ def classification_metrics(
             y_true, y_pred, labels=labels, average=average, zero_division=0
         )
         out |= {f"precision_{average}": float(p), f"recall_{average}": float(r), f"f1_{average}": float(f)}
-    p, r, f, support = skm.precision_recall_fscore_support(y_true, y_pred, labels=labels, zero_division=0)
+    p, r, f, _ = skm.precision_recall_fscore_support(y_true, y_pred, labels=labels, zero_division=0)
     for i, name in enumerate(class_names):
         key = _safe(name)
         out |= {f"precision_{key}": float(p[i]), f"recall_{key}": float(r[i]), f"f1_{key}": float(f[i])}
@@ -57,5 +57,5 @@ def save_confusion_png(matrix: np.ndarray, class_names: list[str], path: str | P
 
 def predictions_csv(y_true: np.ndarray, y_pred: np.ndarray, class_names: list[str]) -> str:
     """One row per test example, the shape `dvc plots` confusion templates read."""
-    rows = ["actual,predicted"] + [f"{class_names[t]},{class_names[p]}" for t, p in zip(y_true, y_pred)]
+    rows = ["actual,predicted"] + [f"{class_names[t]},{class_names[p]}" for t, p in zip(y_true, y_pred, strict=True)]
     return "\n".join(rows) + "\n"

@@ -51,12 +51,13 @@ def export_onnx(model: nn.Module, n_features: int, path: str | Path, opset: int)
                 dynamic_shapes=({0: batch},),
                 opset_version=opset,
                 dynamo=True,
+                external_data=False,  # one self-contained file; the weights are small
                 verbose=False,
             )
         onnx.checker.check_model(str(tmp), full_check=True)
 
-    for name in ("torch.onnx", "onnxscript"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    for name in ("torch.onnx", "onnxscript", "onnx_ir"):  # exporter chatter, not our warnings
+        logging.getLogger(name).setLevel(logging.ERROR)
     atomic.write_with(path, write)
 
 
@@ -108,8 +109,8 @@ def latency_us(model: nn.Module, onnx_path: str | Path, x: np.ndarray, repeats: 
         tensor = torch.from_numpy(batch)
         n = repeats if label == "batch1" else max(5, repeats // 20)
         for engine, call in (
-            ("onnxruntime", lambda: session.run(["logits"], {"features": batch})),
-            ("torch", lambda: model(tensor)),
+            ("onnxruntime", lambda b=batch: session.run(["logits"], {"features": b})),
+            ("torch", lambda t=tensor: model(t)),
         ):
             times = []
             with torch.no_grad():

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from batchlab import atomic, data, evaluate, export, launch, tracking
+from batchlab import atomic, data, export, launch, tracking
 from batchlab.config import Config, ConfigError
 from batchlab.model import load_model, save_model
 from batchlab.strategy import check_supported, started
@@ -134,6 +134,8 @@ def _run_id(paths: Paths) -> tuple[str | None, str | None]:
 
 
 def evaluate_stage(cfg: Config, paths: Paths = Paths()) -> dict[str, float]:
+    from batchlab import evaluate  # scikit-learn: ~1 s to import, needed by this stage only
+
     dataset = data.load(paths.data)
     model, class_names = load_model(paths.model)
     with torch.no_grad():
@@ -168,7 +170,7 @@ def export_stage(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
         except export.ParityError:
             paths.onnx.unlink(missing_ok=True)  # a model that disagrees with torch is not an output
             raise
-        report = {
+        report: dict[str, Any] = {
             "opset": cfg.export.opset,
             "atol": cfg.export.atol,
             "file_bytes": paths.onnx.stat().st_size,
@@ -183,4 +185,3 @@ def export_stage(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
         tracker.log_onnx_model(paths.onnx)
     log.info("export: %s, max |onnx - torch| = %.2e", paths.onnx, report["max_abs_diff"])
     return report
-

@@ -39,9 +39,7 @@ def check_supported(cfg: TrainConfig) -> None:
     if device.type != "cuda":
         return
     if cfg.strategy == "ddp" and cfg.nproc > torch.cuda.device_count():
-        raise ConfigError(
-            f"train.nproc ({cfg.nproc}) is more than the CUDA devices here ({torch.cuda.device_count()})"
-        )
+        raise ConfigError(f"train.nproc ({cfg.nproc}) is more than the CUDA devices here ({torch.cuda.device_count()})")
     if cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise ConfigError("train.precision bf16 is not supported by this GPU; use fp16 or fp32")
     if cfg.precision == "fp16" and torch.cuda.get_device_capability() < (5, 3):

@@ -32,7 +32,8 @@ class TrackingUnavailable(RuntimeError):
 
 
 class Tracker(Protocol):
-    run_id: str | None
+    @property
+    def run_id(self) -> str | None: ...
 
     def log_params(self, params: Mapping[str, Any]) -> None: ...
     def log_epoch(self, metrics: Mapping[str, float], step: int) -> None: ...
@@ -106,7 +107,9 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
             with engine.connect():
                 pass
         except Exception as err:  # driver errors have no common base class
-            raise TrackingUnavailable(f"tracking database {uri} is unreachable: {str(err).splitlines()[0]}; {hint}")
+            raise TrackingUnavailable(
+                f"tracking database {uri} is unreachable: {str(err).splitlines()[0]}; {hint}"
+            ) from None
 
 
 def prepare_backend(uri: str) -> None:
@@ -207,14 +210,14 @@ class MlflowTracker:
         _retry_locked(self.client.log_artifact, self.run_id, str(path), folder)
 
     def log_datasets(self, dataset: Dataset, source: str) -> None:
-        import mlflow
+        from mlflow.data.numpy_dataset import from_numpy
         from mlflow.entities import DatasetInput, InputTag
 
         digest = dataset.content_hash()
         inputs = []
         for context in ("train", "val", "test"):
             split = getattr(dataset, context)
-            ds = mlflow.data.from_numpy(split.x, targets=split.y, name=f"{source}-{context}", digest=digest)
+            ds = from_numpy(split.x, targets=split.y, name=f"{source}-{context}", digest=digest)
             inputs.append(DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", context)]))
         _retry_locked(self.client.log_inputs, self.run_id, datasets=inputs)
 
@@ -247,9 +250,7 @@ class MlflowTracker:
         import onnx
 
         with _active(self.run_id):
-            mlflow.onnx.log_model(
-                onnx.load(str(path)), name="onnx_model", pip_requirements=["onnxruntime", "numpy"]
-            )
+            mlflow.onnx.log_model(onnx.load(str(path)), name="onnx_model", pip_requirements=["onnxruntime", "numpy"])
 
     def register(self, model_uri: str, score: float, metric: str) -> bool:
         """Register the model; move the champion alias only when `score` beats the champion's."""

@@ -191,7 +191,7 @@ def fit(
         val_logits = predict_logits(model, x_val, strategy)
         val_loss = F.cross_entropy(val_logits, y_val).item()
         val_acc = (val_logits.argmax(1) == y_val).float().mean().item()
-        row = {
+        row: dict[str, float] = {
             "epoch": float(epoch + 1),
             "train_loss": train_loss,
             "val_loss": val_loss,
@@ -202,7 +202,7 @@ def fit(
             "grad_norm_mean": norm_mean,
             "grad_norm_var": norm_var,
             "nonfinite_steps": nonfinite.item(),
-            "lr": schedule.get_last_lr()[0],
+            "lr": float(schedule.get_last_lr()[0]),
         }
         state.history.append(row)
         state.epoch = epoch + 1
@@ -224,7 +224,7 @@ def fit(
                     "best_model": best_weights,
                     "state": state.__dict__,
                 }
-                atomic.write_with(checkpoint, lambda tmp: torch.save(payload, tmp))
+                save_checkpoint(checkpoint, payload)
             _report(bar, row, tc.epochs)
         strategy.barrier()  # no rank reads a checkpoint that is still being written
         if stopped_early:
@@ -234,6 +234,10 @@ def fit(
     model.load_state_dict(best_weights)
     model.eval()
     return TrainResult(model=model, history=state.history, best_epoch=state.best_epoch, stopped_early=stopped_early)
+
+
+def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
+    atomic.write_with(path, lambda tmp: torch.save(payload, tmp))
 
 
 def _report(bar: Any, row: dict[str, float], epochs: int) -> None:

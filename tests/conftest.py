@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny configs, tiny data, and throwaway copies of the repo."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from batchlab.config import Config, parse_config
+from batchlab.data import Dataset, build
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+TINY: dict[str, Any] = {
+    "data": {"samples": 600, "features": 8, "informative": 5, "class_sep": 1.5},
+    "model": {"hidden_sizes": [16], "dropout": 0.0},
+    "train": {"epochs": 4, "batch_size": 32, "lr": 0.01, "threads": 1, "early_stopping_patience": 0},
+    "tracking": {"enabled": False},
+    "sweep": {"batch_sizes": [16, 32, 64], "epochs": 3},
+}
+
+
+def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for section, values in override.items():
+        out.setdefault(section, {}).update(values)
+    return out
+
+
+def tiny_config(**override: dict[str, Any]) -> Config:
+    return parse_config(merge(TINY, override))
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset() -> Dataset:
+    return build(tiny_config().data)[0]
+
+
+def env_with_venv(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
+    env.update(
+        GIT_AUTHOR_NAME="batchlab-test",
+        GIT_AUTHOR_EMAIL="test@batchlab.invalid",
+        GIT_COMMITTER_NAME="batchlab-test",
+        GIT_COMMITTER_EMAIL="test@batchlab.invalid",
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        **extra,
+    )
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, **env: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, cwd=cwd, env=env_with_venv(**env), capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def write_params(folder: Path, cfg: dict[str, Any], name: str = "params.yaml") -> Path:
+    path = folder / name
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def repo_copy(tmp_path: Path) -> Path:
+    """The repo's tracked files in a fresh git + DVC repo, with tiny params."""
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    dest = tmp_path / "repo"
+    for rel in files:
+        src = REPO / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    real = yaml.safe_load((REPO / "params.yaml").read_text())
+    write_params(dest, merge(real, TINY))
+    run(["git", "init", "-q"], dest)
+    run(["git", "add", "-A"], dest)
+    run(["git", "commit", "-qm", "init"], dest)
+    return dest

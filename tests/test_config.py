@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from batchlab.config import ConfigError, load_config, parse_config
+from tests.conftest import REPO, TINY, merge
+
+
+def test_real_params_yaml_loads_with_every_section() -> None:
+    cfg = load_config(REPO / "params.yaml")
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    assert set(raw) == {"data", "model", "train", "evaluate", "export", "tracking", "sweep"}
+    # params.yaml spells out every key, so a reader sees all the knobs
+    for section, values in raw.items():
+        assert set(values) == set(getattr(cfg, section).model_dump()), section
+    assert cfg.train.world_size() == 1
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"train": {"batch_sise": 3}}, "unknown key 'train.batch_sise'"),
+        ({"train": {"batch_size": -3}}, "train.batch_size: Input should be greater than 0, got -3"),
+        ({"train": {"optimizer": "lbfgs"}}, "train.optimizer: Input should be 'adam', 'adamw' or 'sgd', got 'lbfgs'"),
+        ({"data": {"source": "mnist"}}, "data.source: Input should be"),
+        ({"data": {"informative": 20}}, "data.informative must be at most data.features (8), got 20"),
+        ({"train": {"strategy": "ddp", "nproc": 2, "batch_size": 33}}, "train.batch_size (33) must divide"),
+        ({"train": {"nproc": 2}}, "need train.strategy: ddp"),
+        ({"sweep": {"batch_sizes": []}}, "sweep.batch_sizes must list at least one batch size"),
+        ({"sweep": {"batch_sizes": [32, 32]}}, "sweep.batch_sizes has duplicates: [32, 32]"),
+        ({"sweep": {"batch_sizes": [0, 32]}}, "sweep.batch_sizes.0: Input should be greater than 0"),
+        ({"data": {"source": "csv"}}, "data.csv_path is required"),
+    ],
+)
+def test_bad_values_give_one_line_error_naming_the_key(override: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(merge(TINY, override))
+    text = str(err.value)
+    assert message in text
+    assert "\n" not in text
+
+
+def test_config_is_frozen_and_flattens_for_tracking() -> None:
+    cfg = parse_config(TINY)
+    with pytest.raises(ValueError):
+        cfg.train.lr = 1.0  # type: ignore[misc]
+    flat = cfg.flat()
+    assert flat["train.batch_size"] == 32
+    assert flat["model.hidden_sizes"] == [16]
+
+
+def test_micro_batch_splits_global_batch_over_ranks_and_accumulation() -> None:
+    cfg = parse_config(merge(TINY, {"train": {"strategy": "ddp", "nproc": 2, "grad_accum_steps": 2, "batch_size": 64}}))
+    assert cfg.train.micro_batch_size() == 16
+
+
+def test_missing_or_malformed_params_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_loading_config_has_no_side_effects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(TINY))
+    load_config()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]

@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from batchlab import data
+from batchlab.config import DataConfig
+from batchlab.data import DataError
+
+
+def test_synthetic_split_is_stratified_and_scaled_on_train_only() -> None:
+    ds, scaler = data.build(DataConfig(samples=1000, classes=3, informative=5, features=8))
+    sizes = [ds.train.y.size, ds.val.y.size, ds.test.y.size]
+    assert sum(sizes) == 1000 and sizes == [700, 150, 150]
+    for split in (ds.val, ds.test):
+        # class shares within 2 points of the train split's
+        assert np.allclose(np.bincount(split.y) / split.y.size, np.bincount(ds.train.y) / ds.train.y.size, atol=0.02)
+    np.testing.assert_allclose(ds.train.x.mean(axis=0), 0, atol=1e-5)
+    np.testing.assert_allclose(ds.train.x.std(axis=0), 1, atol=1e-4)
+    assert not np.allclose(ds.test.x.mean(axis=0), 0, atol=1e-5)  # test rows were not used for the fit
+    assert len(scaler["mean"]) == 8 and ds.train.x.dtype == np.float32 and ds.train.y.dtype == np.int64
+
+
+def test_same_params_give_same_bytes_and_hash(tmp_path: Path) -> None:
+    cfg = DataConfig(samples=300)
+    a, b = data.build(cfg)[0], data.build(cfg)[0]
+    assert a.content_hash() == b.content_hash()
+    assert data.build(DataConfig(samples=300, seed=1))[0].content_hash() != a.content_hash()
+    data.save(a, {"mean": [], "std": []}, tmp_path / "one")
+    data.save(b, {"mean": [], "std": []}, tmp_path / "two")
+    for f in (tmp_path / "one").iterdir():
+        assert f.read_bytes() == (tmp_path / "two" / f.name).read_bytes(), f.name
+
+
+@pytest.mark.parametrize(("source", "n_classes"), [("iris", 3), ("wine", 3), ("breast_cancer", 2), ("digits", 10)])
+def test_bundled_datasets_load_without_network(source: str, n_classes: int) -> None:
+    ds, _ = data.build(DataConfig(source=source))
+    assert ds.n_classes == n_classes and len(ds.feature_names) == ds.n_features
+
+
+def test_save_load_round_trip_and_summary(tmp_path: Path) -> None:
+    ds, scaler = data.build(DataConfig(samples=300))
+    summary = data.save(ds, scaler, tmp_path / "prepared")
+    back = data.load(tmp_path / "prepared")
+    assert back.content_hash() == ds.content_hash() == summary["content_hash"]
+    assert summary["splits"]["train"]["rows"] == ds.train.y.size
+    assert sum(summary["splits"]["test"]["class_counts"]) == ds.test.y.size
+    assert [p.name for p in tmp_path.iterdir()] == ["prepared"]  # no temporary left behind
+
+
+def _csv(tmp_path: Path, frame: pd.DataFrame) -> DataConfig:
+    path = tmp_path / "rows.csv"
+    frame.to_csv(path, index=False)
+    return DataConfig(source="csv", csv_path=str(path), target="label")
+
+
+def _frame(n: int = 60) -> pd.DataFrame:
+    rng = np.random.default_rng(0)
+    return pd.DataFrame({"a": rng.normal(size=n), "b": rng.normal(size=n), "label": ["yes", "no"] * (n // 2)})
+
+
+def test_csv_with_string_labels_trains_like_any_source(tmp_path: Path) -> None:
+    ds, _ = data.build(_csv(tmp_path, _frame()))
+    assert ds.class_names == ["no", "yes"] and ds.feature_names == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda f: f.rename(columns={"label": "y"}), "data.target column 'label' is not in rows.csv; columns are"),
+        (lambda f: f.assign(a=[np.nan, *list(f.a[1:])]), "missing values (NaN) in columns ['a']"),
+        (lambda f: f.assign(b="text"), "feature columns must be numeric; not numeric: ['b']"),
+        (lambda f: f.assign(label="yes"), "target 'label' has a single class ('yes')"),
+    ],
+)
+def test_bad_csv_is_rejected_with_a_clear_error(tmp_path: Path, mutate: object, message: str) -> None:
+    with pytest.raises(DataError) as err:
+        data.build(_csv(tmp_path, mutate(_frame())))  # type: ignore[operator]
+    assert message in str(err.value)
+
+
+def test_missing_csv_and_missing_prepared_folder(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="does not exist"):
+        data.build(DataConfig(source="csv", csv_path=str(tmp_path / "nope.csv")))
+    with pytest.raises(DataError, match="run `batchlab generate`"):
+        data.load(tmp_path)

@@ -1,0 +1,112 @@
+"""End to end through the real CLI and a real DVC repo (a temporary copy of this one)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.conftest import env_with_venv, run
+
+pytestmark = pytest.mark.slow
+
+
+def _set(repo: Path, section: str, **values: object) -> None:
+    path = repo / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    params[section].update(values)
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def _ran(output: str) -> set[str]:
+    return {s for s in ("generate", "train", "evaluate", "export") if f"Running stage '{s}'" in output}
+
+
+def test_dvc_repro_builds_everything_then_only_what_changed(repo_copy: Path) -> None:
+    first = run(["dvc", "repro"], repo_copy)
+    assert _ran(first.stdout) == {"generate", "train", "evaluate", "export"}
+    metrics = json.loads((repo_copy / "reports/metrics.json").read_text())
+    assert metrics["f1_macro"] > 0.8 and metrics["accuracy"] > 0.8
+    report = json.loads((repo_copy / "reports/export.json").read_text())
+    assert report["max_abs_diff"] <= 1e-4 and [p["batch"] for p in report["parity"]][:2] == [1, 7]
+    assert (repo_copy / "models/model.onnx").stat().st_size == report["file_bytes"]
+    summary = json.loads((repo_copy / "data/prepared/dataset.json").read_text())
+    assert summary["splits"]["train"]["rows"] == 420 and len(summary["content_hash"]) == 16
+
+    again = run(["dvc", "repro"], repo_copy)
+    assert _ran(again.stdout) == set(), again.stdout
+
+    _set(repo_copy, "train", lr=0.02)
+    changed = run(["dvc", "repro"], repo_copy)
+    assert _ran(changed.stdout) == {"train", "evaluate", "export"}
+
+    shown = run(["dvc", "metrics", "show"], repo_copy).stdout
+    for key in ("precision_macro", "recall_macro", "f1_macro", "accuracy"):
+        assert key in shown
+    run(["dvc", "plots", "show", "-o", "plots_html"], repo_copy)
+    html = (repo_copy / "plots_html/index.html").read_text()
+    assert "Loss curves" in html and "Confusion matrix (test)" in html
+
+
+def test_dvc_exp_run_with_override_is_compared_by_exp_show(repo_copy: Path) -> None:
+    run(["dvc", "repro"], repo_copy)
+    run(["git", "add", "-A"], repo_copy)
+    run(["git", "commit", "-qm", "baseline"], repo_copy)
+    run(["dvc", "exp", "run", "-S", "train.batch_size=64", "-n", "bs64"], repo_copy)
+    rows = json.loads(run(["dvc", "exp", "show", "--json"], repo_copy).stdout)
+    exps = [e for row in rows for e in (row.get("experiments") or [])]
+    names = [e.get("name") for e in exps]
+    assert "bs64" in names, rows
+    bs64 = next(e for e in exps if e.get("name") == "bs64")["revs"][0]["data"]
+    assert bs64["params"]["params.yaml"]["data"]["train"]["batch_size"] == 64
+    assert "f1_macro" in bs64["metrics"]["reports/metrics.json"]["data"]
+
+
+def test_bad_params_exit_2_with_one_line_and_leave_outputs_untouched(repo_copy: Path) -> None:
+    run(["batchlab", "generate"], repo_copy)
+    before = (repo_copy / "data/prepared/x_train.npy").read_bytes()
+    _set(repo_copy, "train", batch_size=-3)
+    proc = run(["batchlab", "train"], repo_copy, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "batchlab: error: train.batch_size: Input should be greater than 0, got -3"
+    _set(repo_copy, "train", batch_size=4096)
+    proc = run(["batchlab", "train"], repo_copy, check=False)
+    assert proc.returncode == 2 and "larger than the train split (420 rows)" in proc.stderr
+    _set(repo_copy, "data", source="csv", csv_path="missing.csv")
+    proc = run(["batchlab", "generate"], repo_copy, check=False)
+    assert proc.returncode == 2 and "data.csv_path 'missing.csv' does not exist" in proc.stderr
+    assert (repo_copy / "data/prepared/x_train.npy").read_bytes() == before
+    assert not (repo_copy / "models/model.pt").exists()
+
+
+def test_killed_train_resumes_from_checkpoint_and_matches_uninterrupted(repo_copy: Path) -> None:
+    _set(repo_copy, "train", epochs=40, batch_size=16)
+    _set(repo_copy, "model", dropout=0.2)
+    run(["batchlab", "generate"], repo_copy)
+    run(["batchlab", "train"], repo_copy)
+    expected = torch.load(repo_copy / "models/model.pt", weights_only=True)["state_dict"]
+    (repo_copy / "models/model.pt").unlink()
+
+    checkpoint = repo_copy / ".batchlab/checkpoints/train.pt"
+    proc = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env_with_venv(), stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if checkpoint.exists() and torch.load(checkpoint, weights_only=True)["state"]["epoch"] >= 3:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "training finished before it could be interrupted"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (repo_copy / "models/model.pt").exists()
+
+    resumed = run(["batchlab", "train"], repo_copy)
+    assert "resuming from" in resumed.stderr
+    got = torch.load(repo_copy / "models/model.pt", weights_only=True)["state_dict"]
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert not checkpoint.exists()  # removed once training completed

@@ -1,0 +1,126 @@
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchlab.data import Dataset
+from batchlab.strategy import Strategy
+from batchlab.train import NonFiniteError, fit, make_optimizer, make_schedule
+from tests.conftest import tiny_config
+
+CPU = Strategy(torch.device("cpu"))
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_fit_learns_and_records_history(tiny_dataset: Dataset) -> None:
+    result = fit(tiny_config(train={"epochs": 6}), tiny_dataset, CPU)
+    assert len(result.history) == 6
+    first, last = result.history[0], result.history[-1]
+    assert last["val_loss"] < first["val_loss"]
+    assert max(r["val_accuracy"] for r in result.history) > 0.85
+    for key in ("train_loss", "samples_per_s", "epoch_seconds", "peak_memory_mb", "grad_norm_mean"):
+        assert math.isfinite(last[key]) and last[key] > 0, key
+    assert last["nonfinite_steps"] == 0
+    assert last["lr"] < first["lr"]  # cosine decay
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])
+def test_every_optimizer_trains(tiny_dataset: Dataset, optimizer: str) -> None:
+    cfg = tiny_config(train={"optimizer": optimizer, "lr": 0.05 if optimizer == "sgd" else 0.01, "epochs": 5})
+    history = fit(cfg, tiny_dataset, CPU).history
+    assert history[-1]["val_loss"] < history[0]["val_loss"]
+
+
+def test_same_seed_same_weights_other_seed_differs(tiny_dataset: Dataset) -> None:
+    a = _weights(fit(tiny_config(), tiny_dataset, CPU).model)
+    b = _weights(fit(tiny_config(), tiny_dataset, CPU).model)
+    c = _weights(fit(tiny_config(train={"seed": 1}), tiny_dataset, CPU).model)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_cosine_schedule_warms_up_then_decays() -> None:
+    cfg = tiny_config(train={"schedule": "cosine", "warmup_epochs": 1, "epochs": 4}).train
+    opt = make_optimizer(cfg, [torch.nn.Parameter(torch.zeros(1))])
+    sched = make_schedule(cfg, opt, steps_per_epoch=10)
+    lrs = []
+    for _ in range(40):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(cfg.lr / 10) and lrs[9] == pytest.approx(cfg.lr)
+    assert lrs[10] > lrs[25] > lrs[39] >= 0
+
+
+def test_early_stopping_restores_best_epoch(tiny_dataset: Dataset) -> None:
+    # a huge lr makes val loss climb after the first epochs
+    cfg = tiny_config(train={"epochs": 30, "lr": 0.5, "early_stopping_patience": 2, "schedule": "constant"})
+    result = fit(cfg, tiny_dataset, CPU)
+    assert result.stopped_early and len(result.history) < 30
+    best = min(result.history, key=lambda r: r["val_loss"])
+    assert result.best_epoch == int(best["epoch"])
+
+
+class StopAfter:
+    """A tracker that interrupts training like Ctrl-C after `epochs` epochs were logged."""
+
+    run_id = None
+
+    def __init__(self, epochs: int) -> None:
+        self.epochs = epochs
+
+    def log_epoch(self, metrics: Mapping[str, float], step: int) -> None:
+        if step > self.epochs:
+            raise KeyboardInterrupt
+
+
+def test_resume_after_interruption_ends_with_same_model(tiny_dataset: Dataset, tmp_path: Path) -> None:
+    cfg = tiny_config(model={"dropout": 0.2}, train={"epochs": 5, "schedule": "cosine"})
+    expected = fit(cfg, tiny_dataset, CPU)
+    checkpoint = tmp_path / "ckpt.pt"
+    with pytest.raises(KeyboardInterrupt):
+        fit(cfg, tiny_dataset, CPU, tracker=StopAfter(2), checkpoint=checkpoint)  # type: ignore[arg-type]
+    saved = torch.load(checkpoint, weights_only=True)  # plain tensors and values only
+    assert saved["state"]["epoch"] == 2
+    resumed = fit(cfg, tiny_dataset, CPU, checkpoint=checkpoint)
+    assert [r["epoch"] for r in resumed.history] == [1, 2, 3, 4, 5]
+    want, got = _weights(expected.model), _weights(resumed.model)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert resumed.history[-1]["val_loss"] == expected.history[-1]["val_loss"]
+
+
+def test_checkpoint_of_other_params_is_ignored(tiny_dataset: Dataset, tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ckpt.pt"
+    with pytest.raises(KeyboardInterrupt):
+        fit(tiny_config(), tiny_dataset, CPU, tracker=StopAfter(2), checkpoint=checkpoint)  # type: ignore[arg-type]
+    result = fit(tiny_config(train={"lr": 0.02}), tiny_dataset, CPU, checkpoint=checkpoint)
+    assert len(result.history) == 4  # started from epoch 1, not resumed
+
+
+def test_batch_larger_than_train_split_is_rejected(tiny_dataset: Dataset) -> None:
+    with pytest.raises(ValueError, match=r"train.batch_size \(1024\) is larger than the train split"):
+        fit(tiny_config(train={"batch_size": 1024}), tiny_dataset, CPU)
+
+
+def test_non_finite_gradients_stop_the_run_instead_of_training_on_nan(tiny_dataset: Dataset) -> None:
+    import numpy as np
+
+    from batchlab.data import Split
+
+    poisoned = Dataset(
+        train=Split(np.full_like(tiny_dataset.train.x, np.nan), tiny_dataset.train.y),
+        val=tiny_dataset.val,
+        test=tiny_dataset.test,
+        feature_names=tiny_dataset.feature_names,
+        class_names=tiny_dataset.class_names,
+    )
+    cfg = tiny_config(train={"max_nonfinite_steps": 3})
+    with pytest.raises(NonFiniteError, match="consecutive steps had non-finite gradients"):
+        fit(cfg, poisoned, CPU)
