@@ -45,6 +45,7 @@ def tiny_dataset() -> Dataset:
 
 def env_with_venv(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
+    env.pop("MLFLOW_TRACKING_URI", None)
     env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
     env.update(
         GIT_AUTHOR_NAME="batchlab-test",
@@ -54,7 +55,6 @@ def env_with_venv(**extra: str) -> dict[str, str]:
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         **extra,
     )
-    env.pop("MLFLOW_TRACKING_URI", None)
     return env
 
 

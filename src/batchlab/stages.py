@@ -19,7 +19,7 @@ import torch
 from batchlab import atomic, data, export, launch, tracking
 from batchlab.config import Config, ConfigError
 from batchlab.model import load_model, save_model
-from batchlab.strategy import check_supported, started
+from batchlab.strategy import check_supported, resolve_device, started
 from batchlab.train import fit, steps_per_epoch
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,9 @@ def train(cfg: Config, params: Path, paths: Paths = Paths()) -> dict[str, Any]:
     dataset = data.load(paths.data)
     _check_batch_fits(cfg, dataset)
     check_supported(cfg.train)
-    with tracking.run(cfg.tracking, name="train", tags=tracking.environment_tags()) as tracker:
+    tc = cfg.train
+    name = f"bs{tc.batch_size}-lr{tc.lr:g}-{tc.strategy}-{tc.precision}"
+    with tracking.run(cfg.tracking, name=name, tags=tracking.environment_tags()) as tracker:
         tracker.log_params(cfg.flat())
         tracker.log_datasets(dataset, cfg.data.source)
         tracker.set_tags({f"train.{k}": v for k, v in _strategy_tags(cfg).items()})
@@ -122,7 +124,7 @@ def train(cfg: Config, params: Path, paths: Paths = Paths()) -> dict[str, Any]:
 
 def _strategy_tags(cfg: Config) -> dict[str, str]:
     tc = cfg.train
-    return {"strategy": tc.strategy, "precision": tc.precision, "device": tc.device,
+    return {"strategy": tc.strategy, "precision": tc.precision, "device": resolve_device(tc).type,
             "world_size": str(tc.world_size())}  # fmt: skip
 
 

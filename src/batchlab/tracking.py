@@ -292,6 +292,22 @@ def attach(cfg: TrackingConfig, run_id: str) -> Tracker:
     return MlflowTracker(run_id, cfg)
 
 
+@contextlib.contextmanager
+def _tracking_uri(uri: str) -> Iterator[None]:
+    """mlflow.set_tracking_uri also exports MLFLOW_TRACKING_URI; put the user's value back after."""
+    import mlflow
+
+    previous = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = previous
+
+
 class Interrupted(BaseException):
     """SIGTERM, raised so that the run can be ended KILLED."""
 
@@ -315,27 +331,30 @@ def run(
     uri = resolve_uri(cfg)
     check_reachable(uri)
     prepare_backend(uri)
-    mlflow.set_tracking_uri(uri)
-    experiment = _retry_locked(mlflow.set_experiment, cfg.experiment)
-    active = _retry_locked(
-        mlflow.start_run,
-        run_id=run_id,
-        experiment_id=None if run_id else experiment.experiment_id,
-        run_name=name,
-        parent_run_id=parent_run_id,
-        tags=dict(tags or {}),
-        log_system_metrics=cfg.system_metrics,
-    )
-    tracker = MlflowTracker(active.info.run_id, cfg)
-    try:
-        yield tracker
-    except (KeyboardInterrupt, Interrupted):
-        mlflow.end_run(status="KILLED")
-        raise
-    except BaseException as err:
-        with contextlib.suppress(Exception):
-            tracker.set_tags({"error": f"{type(err).__name__}: {err}"[:5000]})
-        mlflow.end_run(status="FAILED")
-        raise
-    else:
-        mlflow.end_run(status="FINISHED")
+    if cfg.system_metrics:
+        mlflow.set_system_metrics_sampling_interval(2)  # default 10 s misses short runs
+    with _tracking_uri(uri):
+        experiment = _retry_locked(mlflow.set_experiment, cfg.experiment)
+        active = _retry_locked(
+            mlflow.start_run,
+            run_id=run_id,
+            experiment_id=None if run_id else experiment.experiment_id,
+            run_name=name,
+            parent_run_id=parent_run_id,
+            tags=dict(tags or {}),
+            log_system_metrics=cfg.system_metrics,
+            nested=mlflow.active_run() is not None,  # a sweep's child inside its parent
+        )
+        tracker = MlflowTracker(active.info.run_id, cfg)
+        try:
+            yield tracker
+        except (KeyboardInterrupt, Interrupted):
+            mlflow.end_run(status="KILLED")
+            raise
+        except BaseException as err:
+            with contextlib.suppress(Exception):
+                tracker.set_tags({"error": f"{type(err).__name__}: {err}"[:5000]})
+            mlflow.end_run(status="FAILED")
+            raise
+        else:
+            mlflow.end_run(status="FINISHED")

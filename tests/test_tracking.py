@@ -1,0 +1,246 @@
+"""MLflow tracking against real backends: a SQLite file, and `mlflow server` on PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from batchlab import stages, tracking
+from batchlab.config import Config, TrackingConfig
+from tests.conftest import env_with_venv, run, tiny_config
+
+ON = {"enabled": True, "experiment": "test", "registered_model": "tiny-mlp"}
+
+
+def _uri(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def _pipeline(cfg: Config, root: Path) -> str:
+    paths = stages.Paths(root)
+    stages.generate(cfg, paths)
+    info = stages.train(cfg, root / "params.yaml", paths)
+    stages.evaluate_stage(cfg, paths)
+    stages.export_stage(cfg, paths)
+    return str(info["run_id"])
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return tmp_path
+
+
+def test_one_run_holds_params_epochs_evaluation_models_and_lineage(workdir: Path) -> None:
+    cfg = tiny_config(tracking={**ON, "tracking_uri": _uri(workdir)})
+    run_id = _pipeline(cfg, workdir)
+    client = MlflowClient(_uri(workdir))
+    runs = client.search_runs([client.get_experiment_by_name("test").experiment_id])
+    assert [r.info.run_id for r in runs] == [run_id]  # evaluate and export logged into train's run
+    r = runs[0]
+    assert r.info.status == "FINISHED"
+    assert r.data.params["train.batch_size"] == "32" and r.data.params["model.hidden_sizes"] == "[16]"
+    assert len(r.data.params) == len(cfg.flat())
+    history = client.get_metric_history(run_id, "val_loss")
+    assert [m.step for m in history] == [1, 2, 3, 4]
+    for key in ("train_loss", "val_accuracy", "samples_per_s", "epoch_seconds", "peak_memory_mb"):
+        assert len(client.get_metric_history(run_id, key)) == 4, key
+    metrics = json.loads((workdir / "reports/metrics.json").read_text())
+    assert r.data.metrics["test_f1_macro"] == pytest.approx(metrics["f1_macro"])
+    for key in ("test_accuracy", "test_precision_weighted", "test_recall_1", "test_roc_auc", "export_max_abs_diff"):
+        assert key in r.data.metrics, key
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
+    assert {"history.csv", "evaluation", "export"} <= artifacts
+    assert {a.path for a in client.list_artifacts(run_id, "evaluation")} == {
+        "evaluation/metrics.json",
+        "evaluation/confusion.png",
+    }
+    models = {m.name for m in client.search_logged_models([r.info.experiment_id])}
+    assert models == {"model", "onnx_model"}
+    digest = json.loads((workdir / "data/prepared/dataset.json").read_text())["content_hash"]
+    contexts = {i.tags[0].value: i.dataset.digest for i in r.inputs.dataset_inputs}
+    assert contexts == {"train": digest, "val": digest, "test": digest}
+    assert r.data.tags["train.strategy"] == "single" and r.data.tags["train.world_size"] == "1"
+    assert {"host", "torch.version"} <= set(r.data.tags)
+    champion = client.get_model_version_by_alias("tiny-mlp", tracking.CHAMPION)
+    assert champion.run_id == run_id
+
+
+def test_champion_alias_moves_only_when_f1_beats_the_champion(workdir: Path) -> None:
+    base = {"tracking": {**ON, "tracking_uri": _uri(workdir)}}
+    weak = {**base, "train": {"epochs": 1, "lr": 1e-5}}
+    _pipeline(tiny_config(**weak), workdir)
+    good = _pipeline(tiny_config(**base), workdir)
+    _pipeline(tiny_config(**weak), workdir)
+    client = MlflowClient(_uri(workdir))
+    versions = client.search_model_versions("name='tiny-mlp'")
+    assert len(versions) == 3
+    champion = client.get_model_version_by_alias("tiny-mlp", tracking.CHAMPION)
+    assert champion.run_id == good and str(champion.version) == "2"
+
+
+def test_an_exception_ends_the_run_failed_with_the_error(workdir: Path) -> None:
+    cfg = TrackingConfig(**{**ON, "tracking_uri": _uri(workdir)})
+    with pytest.raises(ZeroDivisionError), tracking.run(cfg) as tracker:
+        run_id = tracker.run_id
+        1 / 0  # noqa: B018
+    r = MlflowClient(_uri(workdir)).get_run(str(run_id))
+    assert r.info.status == "FAILED"
+    assert r.data.tags["error"] == "ZeroDivisionError: division by zero"
+
+
+@pytest.mark.slow
+def test_sigterm_ends_the_run_killed(repo_copy: Path) -> None:
+    from tests.test_pipeline import _set
+
+    _set(repo_copy, "tracking", enabled=True)
+    _set(repo_copy, "train", epochs=500, batch_size=16)
+    run(["batchlab", "generate"], repo_copy)
+    proc = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env_with_venv(), stderr=subprocess.PIPE)
+    client = MlflowClient(f"sqlite:///{repo_copy / 'mlflow.db'}")
+    deadline = time.monotonic() + 120
+    runs: list = []
+    while time.monotonic() < deadline and not runs:
+        time.sleep(0.5)
+        if (repo_copy / "mlflow.db").exists():
+            exp = client.get_experiment_by_name("batchlab")
+            runs = client.search_runs([exp.experiment_id]) if exp else []
+            runs = [r for r in runs if "val_loss" in r.data.metrics]
+    assert runs and proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 130
+    assert client.get_run(runs[0].info.run_id).info.status == "KILLED"
+
+
+def test_unreachable_server_is_reported_before_training(repo_copy: Path) -> None:
+    from tests.test_pipeline import _set
+
+    _set(repo_copy, "tracking", enabled=True)
+    run(["batchlab", "generate"], repo_copy)
+    proc = run(["batchlab", "train"], repo_copy, check=False, MLFLOW_TRACKING_URI="http://127.0.0.1:9")
+    assert proc.returncode == 1
+    assert "MLflow tracking server http://127.0.0.1:9 is unreachable" in proc.stderr
+    assert "tracking.enabled: false" in proc.stderr
+    assert "epoch" not in proc.stderr and not (repo_copy / "models/model.pt").exists()
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    from batchlab import tracking
+    from batchlab.config import TrackingConfig
+    cfg = TrackingConfig(enabled=True, experiment="concurrent", tracking_uri=sys.argv[1])
+    with tracking.run(cfg, name=sys.argv[2]) as t:
+        t.log_params({f"p{i}": i for i in range(30)})
+        for step in range(1, 31):
+            t.log_epoch({"loss": 1 / step, "acc": step / 30}, step=step)
+        t.set_tags({"writer": sys.argv[2]})
+    """
+)
+
+
+def test_four_concurrent_writers_share_one_sqlite_file(tmp_path: Path) -> None:
+    uri = _uri(tmp_path)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WRITER, uri, f"w{i}"], stderr=subprocess.PIPE, text=True)
+        for i in range(4)
+    ]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], "\n".join(errors)
+    assert not any("database is locked" in e for e in errors)
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("concurrent").experiment_id])
+    assert sorted(r.data.tags["writer"] for r in runs) == ["w0", "w1", "w2", "w3"]
+    assert all(r.info.status == "FINISHED" and len(r.data.params) == 30 for r in runs)
+    assert all(len(client.get_metric_history(r.info.run_id, "loss")) == 30 for r in runs)
+
+
+def _postgres_available() -> bool:
+    try:
+        import psycopg2
+
+        psycopg2.connect(host="127.0.0.1", port=5432, user="postgres", dbname="postgres", connect_timeout=3).close()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path) -> Iterator[str]:
+    """`mlflow server` on a free 127.0.0.1 port, runs in a fresh PostgreSQL database."""
+    if not _postgres_available():
+        pytest.skip("no PostgreSQL answers at 127.0.0.1:5432 (start it to run the tracking-server test)")
+    import socket
+    import uuid
+
+    import psycopg2
+
+    db = f"batchlab_test_{uuid.uuid4().hex[:8]}"
+    admin = psycopg2.connect(host="127.0.0.1", port=5432, user="postgres", dbname="postgres")
+    admin.autocommit = True
+    admin.cursor().execute(f"CREATE DATABASE {db}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"postgresql+psycopg2://postgres@127.0.0.1:5432/{db}",
+            "--artifacts-destination",
+            str(tmp_path / "artifacts"),
+        ],  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "server.log", "w"),  # noqa: SIM115
+    )
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                tracking.check_reachable(uri, timeout_s=1)
+                break
+            except tracking.TrackingUnavailable:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError((tmp_path / "server.log").read_text()[-3000:]) from None
+                time.sleep(0.5)
+        yield uri
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        admin.cursor().execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+        admin.close()
+
+
+@pytest.mark.slow
+def test_pipeline_logs_to_an_mlflow_server_on_postgresql(repo_copy: Path, mlflow_server: str) -> None:
+    from tests.test_pipeline import _set
+
+    _set(repo_copy, "tracking", enabled=True)
+    for stage in ("generate", "train", "evaluate"):
+        run(["batchlab", stage], repo_copy, MLFLOW_TRACKING_URI=mlflow_server)
+    run_id = json.loads((repo_copy / "reports/train.json").read_text())["run_id"]
+    r = MlflowClient(mlflow_server).get_run(run_id)
+    assert r.info.status == "FINISHED"
+    assert r.data.metrics["test_f1_macro"] > 0.8
+    assert r.data.params["train.epochs"] == "4"
+    assert not (repo_copy / "mlflow.db").exists()  # the environment's URI won over params.yaml
