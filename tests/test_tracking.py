@@ -208,7 +208,7 @@ def mlflow_server(tmp_path: Path) -> Iterator[str]:
             f"postgresql+psycopg2://postgres@127.0.0.1:5432/{db}",
             "--artifacts-destination",
             str(tmp_path / "artifacts"),
-        ],  # fmt: skip
+        ],
         stdout=subprocess.DEVNULL,
         stderr=open(tmp_path / "server.log", "w"),  # noqa: SIM115
     )
