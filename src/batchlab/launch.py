@@ -38,6 +38,9 @@ def worker_env(cfg: TrainConfig, run_id: str | None) -> dict[str, str]:
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // cfg.nproc)
     env["OMP_NUM_THREADS"] = str(threads)
     env["BATCHLAB_THREADS"] = str(threads)
+    # torch 2.13 reuses the agent's TCPStore across restart rounds, and restarted gloo ranks
+    # then read the dead ranks' addresses ("connectFullMesh ... Connection refused")
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if run_id:
         env[RUN_ID_ENV] = run_id
     else:

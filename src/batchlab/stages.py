@@ -88,7 +88,8 @@ def train_worker(cfg: Config, params: Path, paths: Paths, tracker: tracking.Trac
         if tracker is None:
             run_id = os.environ.get(launch.RUN_ID_ENV)
             tracker = tracking.attach(cfg.tracking, run_id) if run_id and strategy.is_main else tracking.NullTracker()
-        result = fit(cfg, dataset, strategy, tracker, checkpoint=paths.checkpoint)
+        with strategy.collective_errors():
+            result = fit(cfg, dataset, strategy, tracker, checkpoint=paths.checkpoint)
         if strategy.is_main:
             save_model(paths.model, result.model, cfg.model, dataset.n_features, dataset.class_names)
             atomic.write_text(paths.reports / "history.csv", history_csv(result.history))
@@ -103,6 +104,9 @@ def train(cfg: Config, params: Path, paths: Paths = Paths()) -> dict[str, Any]:
     dataset = data.load(paths.data)
     _check_batch_fits(cfg, dataset)
     check_supported(cfg.train)
+    if cfg.train.node_rank > 0:  # another machine's ranks: node 0 tracks and writes every output
+        launch.launch(cfg.train, ["--params", str(params), "train"], run_id=None)
+        return {}
     tc = cfg.train
     name = f"bs{tc.batch_size}-lr{tc.lr:g}-{tc.strategy}-{tc.precision}"
     with tracking.run(cfg.tracking, name=name, tags=tracking.environment_tags()) as tracker:
@@ -110,7 +114,7 @@ def train(cfg: Config, params: Path, paths: Paths = Paths()) -> dict[str, Any]:
         tracker.log_datasets(dataset, cfg.data.source)
         tracker.set_tags({f"train.{k}": v for k, v in _strategy_tags(cfg).items()})
         if cfg.train.strategy == "ddp":
-            launch.launch(cfg.train, ["train", "--params", str(params)], tracker.run_id)
+            launch.launch(cfg.train, ["--params", str(params), "train"], tracker.run_id)
         else:
             train_worker(cfg, params, paths, tracker)
         model, _ = load_model(paths.model)

@@ -46,6 +46,10 @@ def check_supported(cfg: TrainConfig) -> None:
         raise ConfigError("train.precision fp16 needs a GPU of compute capability 5.3 or newer; use fp32")
 
 
+class CollectiveTimeout(RuntimeError):
+    """A DDP collective waited longer than train.dist_timeout_s."""
+
+
 @dataclass
 class Strategy:
     device: torch.device
@@ -53,6 +57,7 @@ class Strategy:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    timeout_s: float = 300.0
     scaler: torch.amp.GradScaler = field(init=False)
 
     def __post_init__(self) -> None:
@@ -75,7 +80,7 @@ class Strategy:
                     backend="nccl" if device.type == "cuda" else "gloo",
                     timeout=dt.timedelta(seconds=cfg.dist_timeout_s),
                 )
-        return cls(device=device, precision=cfg.precision, rank=rank, local_rank=local_rank, world_size=world_size)
+        return cls(device, cfg.precision, rank, local_rank, world_size, float(cfg.dist_timeout_s))
 
     @property
     def is_main(self) -> bool:
@@ -149,9 +154,18 @@ class Strategy:
             values /= self.world_size
         return values
 
-    def barrier(self) -> None:
-        if self.is_distributed:
-            dist.barrier()
+    @contextlib.contextmanager
+    def collective_errors(self) -> Iterator[None]:
+        """Turn a collective that timed out (a rank hung or died) into one clear line."""
+        try:
+            yield
+        except RuntimeError as err:  # torch.distributed.DistBackendError is a RuntimeError
+            if not (self.is_distributed and "timed out" in str(err).lower()):
+                raise
+            raise CollectiveTimeout(
+                f"rank {self.rank}: a collective did not finish within train.dist_timeout_s={self.timeout_s:g} s; "
+                "another rank is stuck or dead"
+            ) from err
 
     def peak_memory_mb(self) -> float:
         if self.device.type == "cuda":

@@ -226,7 +226,6 @@ def fit(
                 }
                 save_checkpoint(checkpoint, payload)
             _report(bar, row, tc.epochs)
-        strategy.barrier()  # no rank reads a checkpoint that is still being written
         if stopped_early:
             break
     if bar is not None:
