@@ -20,11 +20,13 @@ BAD_INPUT = 2
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchlab", description="batchlab pipeline stages")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"), help="params file (default params.yaml)")
+    parser.add_argument("--out", type=Path, default=None, help="write models/ and reports/ under this folder")
     sub = parser.add_subparsers(dest="stage", required=True)
     sub.add_parser("generate", help="build the train/val/test split under data/prepared")
     sub.add_parser("train", help="train the model (DDP launches itself through torchrun)")
     sub.add_parser("evaluate", help="test-split metrics, confusion matrix, model registration")
     sub.add_parser("export", help="ONNX export plus the onnxruntime parity gate")
+    sub.add_parser("sweep", help="train at every sweep.batch_sizes and write the trade-off report")
     return parser
 
 
@@ -35,7 +37,7 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 def run(argv: list[str]) -> None:
     args = _parser().parse_args(argv)
     cfg = load_config(args.params)
-    paths = stages.Paths()
+    paths = stages.Paths(out=args.out)
     if args.stage == "generate":
         stages.generate(cfg, paths)
     elif args.stage == "train":
@@ -47,6 +49,10 @@ def run(argv: list[str]) -> None:
         stages.evaluate_stage(cfg, paths)
     elif args.stage == "export":
         stages.export_stage(cfg, paths)
+    elif args.stage == "sweep":
+        from batchlab import sweep  # scikit-learn and matplotlib: imported by this stage only
+
+        sweep.run_sweep(cfg, paths)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,9 +27,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Paths:
-    """Where each stage reads and writes, relative to the repo root (dvc.yaml uses the same)."""
+    """Where each stage reads and writes, relative to the repo root (dvc.yaml uses the same).
+
+    `out` moves models/, reports/ and the checkpoint elsewhere: a sweep gives each experiment its own.
+    """
 
     root: Path = Path(".")
+    out: Path | None = None
+
+    @property
+    def outputs(self) -> Path:
+        return self.root if self.out is None else self.out
 
     @property
     def data(self) -> Path:
@@ -37,19 +45,19 @@ class Paths:
 
     @property
     def model(self) -> Path:
-        return self.root / "models" / "model.pt"
+        return self.outputs / "models" / "model.pt"
 
     @property
     def onnx(self) -> Path:
-        return self.root / "models" / "model.onnx"
+        return self.outputs / "models" / "model.onnx"
 
     @property
     def checkpoint(self) -> Path:
-        return self.root / ".batchlab" / "checkpoints" / "train.pt"
+        return self.outputs / ".batchlab" / "checkpoints" / "train.pt"
 
     @property
     def reports(self) -> Path:
-        return self.root / "reports"
+        return self.outputs / "reports"
 
     @property
     def run_info(self) -> Path:
@@ -99,22 +107,26 @@ def train_worker(cfg: Config, params: Path, paths: Paths, tracker: tracking.Trac
             paths.checkpoint.unlink(missing_ok=True)
 
 
-def train(cfg: Config, params: Path, paths: Paths = Paths()) -> dict[str, Any]:
+def train(
+    cfg: Config, params: Path, paths: Paths = Paths(), parent_run_id: str | None = None, name: str | None = None
+) -> dict[str, Any]:
     """Train on the prepared data; under `strategy: ddp` start the ranks through torchrun."""
     dataset = data.load(paths.data)
     _check_batch_fits(cfg, dataset)
     check_supported(cfg.train)
+    worker_args = ["--params", str(params), "--out", str(paths.outputs), "train"]
     if cfg.train.node_rank > 0:  # another machine's ranks: node 0 tracks and writes every output
-        launch.launch(cfg.train, ["--params", str(params), "train"], run_id=None)
+        launch.launch(cfg.train, worker_args, run_id=None)
         return {}
     tc = cfg.train
-    name = f"bs{tc.batch_size}-lr{tc.lr:g}-{tc.strategy}-{tc.precision}"
-    with tracking.run(cfg.tracking, name=name, tags=tracking.environment_tags()) as tracker:
+    name = name or f"bs{tc.batch_size}-lr{tc.lr:g}-{tc.strategy}-{tc.precision}"
+    tags = tracking.environment_tags()
+    with tracking.run(cfg.tracking, name=name, parent_run_id=parent_run_id, tags=tags) as tracker:
         tracker.log_params(cfg.flat())
         tracker.log_datasets(dataset, cfg.data.source)
         tracker.set_tags({f"train.{k}": v for k, v in _strategy_tags(cfg).items()})
         if cfg.train.strategy == "ddp":
-            launch.launch(cfg.train, ["--params", str(params), "train"], tracker.run_id)
+            launch.launch(cfg.train, worker_args, tracker.run_id)
         else:
             train_worker(cfg, params, paths, tracker)
         model, _ = load_model(paths.model)

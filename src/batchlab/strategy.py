@@ -13,6 +13,7 @@ import os
 import resource
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -167,9 +168,21 @@ class Strategy:
                 "another rank is stuck or dead"
             ) from err
 
+    def reset_peak_memory(self) -> None:
+        """Start a fresh peak: a sweep runs experiments one after another in one process."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")  # Linux: resets VmHWM to the current RSS
+
     def peak_memory_mb(self) -> float:
+        """Peak CUDA allocation, or the process's peak resident memory (RSS) on CPU."""
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 2**20
+        with contextlib.suppress(OSError, ValueError, StopIteration):
+            status = Path("/proc/self/status").read_text().splitlines()
+            return int(next(line for line in status if line.startswith("VmHWM:")).split()[1]) / 1024
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
     def close(self) -> None:

@@ -104,6 +104,12 @@ def _progress(total: int, start: int, enabled: bool) -> Any:
     return None
 
 
+def initial_model(cfg: Config, n_features: int, n_classes: int) -> nn.Module:
+    """The untrained model: the same weights for the same train.seed, whatever else differs."""
+    torch.manual_seed(cfg.train.seed)
+    return build_model(cfg.model, n_features, n_classes)
+
+
 def fit(
     cfg: Config,
     dataset: Dataset,
@@ -114,8 +120,7 @@ def fit(
     """Train the model of `cfg` on `dataset`; resume from `checkpoint` when it matches the config."""
     tc = cfg.train
     tracker = tracker or NullTracker()
-    torch.manual_seed(tc.seed)
-    model = build_model(cfg.model, dataset.n_features, dataset.n_classes)
+    model = initial_model(cfg, dataset.n_features, dataset.n_classes)
     model.to(strategy.device)
     optimizer = make_optimizer(tc, model.parameters())
     n_train = dataset.train.y.shape[0]
@@ -140,6 +145,7 @@ def fit(
             log.info("ignoring %s: it was written for other params or data", checkpoint)
 
     net = strategy.wrap(model)
+    strategy.reset_peak_memory()
     params = list(model.parameters())
     x_train, y_train = _tensors(dataset.train, strategy.device)
     x_val, y_val = _tensors(dataset.val, strategy.device)

@@ -1,0 +1,182 @@
+"""Batch-size experiments: the same model, data, initial weights and epochs at every batch size.
+
+Each experiment is one MLflow child run under one parent run per sweep. Finished experiments
+leave a result.json, so an interrupted sweep resumes without redoing them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from batchlab import atomic, data, evaluate, report, stages, tracking
+from batchlab.config import Config, ConfigError, parse_config
+from batchlab.model import load_model
+from batchlab.train import steps_per_epoch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Experiment:
+    batch_size: int
+    seed: int
+    lr: float
+    epochs: int
+
+    @property
+    def name(self) -> str:
+        return f"bs{self.batch_size}-seed{self.seed}"
+
+
+def scaled_lr(base_lr: float, base_batch: int, batch: int, rule: str) -> float:
+    """The learning rate at `batch`, scaled from `base_lr` at `base_batch` (linear or square-root rule)."""
+    ratio = batch / base_batch
+    return base_lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
+
+
+def plan(cfg: Config, n_train: int) -> list[Experiment]:
+    """Every (batch size, seed) pair; rejects a batch the train split cannot fill before anything runs."""
+    too_big = [b for b in cfg.sweep.batch_sizes if steps_per_epoch(n_train, b) == 0]
+    if too_big:
+        raise ConfigError(f"sweep.batch_sizes {too_big} are larger than the train split ({n_train} rows)")
+    epochs = cfg.sweep.epochs or cfg.train.epochs
+    return [
+        Experiment(b, seed, scaled_lr(cfg.train.lr, cfg.train.batch_size, b, cfg.sweep.lr_scaling), epochs)
+        for b in cfg.sweep.batch_sizes
+        for seed in cfg.sweep.seeds
+    ]
+
+
+def experiment_config(cfg: Config, exp: Experiment) -> Config:
+    raw = cfg.model_dump()
+    # identical conditions: the same epochs for everyone, so no early stopping
+    raw["train"].update(batch_size=exp.batch_size, lr=exp.lr, seed=exp.seed, epochs=exp.epochs)
+    raw["train"]["early_stopping_patience"] = 0
+    return parse_config(raw)
+
+
+def fingerprint(cfg: Config, exp: Experiment, data_hash: str) -> str:
+    return f"{experiment_config(cfg, exp).section_hash('model', 'train')}-{data_hash}"
+
+
+def _epoch_to_95pct(history: list[dict[str, float]]) -> int:
+    final = history[-1]["val_accuracy"]
+    return next(int(h["epoch"]) for h in history if h["val_accuracy"] >= 0.95 * final)
+
+
+def run_experiment(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
+    """Train and test one experiment in its own folder; returns its result row."""
+    started = time.perf_counter()
+    out = paths.outputs / "sweep" / "experiments" / exp.name
+    exp_cfg = experiment_config(cfg, exp)
+    params = out / "params.yaml"
+    atomic.write_text(params, yaml.safe_dump(exp_cfg.model_dump(), sort_keys=False))
+    exp_paths = stages.Paths(root=paths.root, out=out)
+    info = stages.train(exp_cfg, params, exp_paths, parent_run_id=parent_run_id, name=exp.name)
+    history = [{k: float(v) for k, v in row.items()} for row in report.read_csv(exp_paths.reports / "history.csv")]
+    dataset = data.load(paths.data)
+    model, class_names = load_model(exp_paths.model)
+    with torch.no_grad():
+        proba = torch.softmax(model(torch.from_numpy(dataset.test.x)), dim=1).numpy()
+    test = evaluate.classification_metrics(dataset.test.y, proba.argmax(1), proba, class_names)
+    train_seconds = sum(h["epoch_seconds"] for h in history)
+    result = {
+        **asdict(exp),
+        "name": exp.name,
+        "fingerprint": fingerprint(cfg, exp, dataset.content_hash()),
+        "run_id": info.get("run_id"),
+        "test_accuracy": test["accuracy"],
+        "test_f1_macro": test["f1_macro"],
+        # medians: one epoch slowed by a busy machine should not move the comparison
+        "samples_per_s": statistics.median(h["samples_per_s"] for h in history),
+        "epoch_seconds": statistics.median(h["epoch_seconds"] for h in history),
+        "train_seconds": train_seconds,
+        "peak_memory_mb": max(h["peak_memory_mb"] for h in history),
+        "grad_norm_mean": sum(h["grad_norm_mean"] for h in history) / len(history),
+        "grad_norm_var": sum(h["grad_norm_var"] for h in history) / len(history),
+        "epoch_to_95pct_val_accuracy": _epoch_to_95pct(history),
+        "val_loss_curve": [h["val_loss"] for h in history],
+    }
+    result["overhead_seconds"] = time.perf_counter() - started - train_seconds
+    with tracking.run(cfg.tracking, run_id=info.get("run_id"), enabled=info.get("run_id") is not None) as tracker:
+        tracker.log_metrics({k: float(result[k]) for k in report.NUMERIC if k in result})
+        tracker.set_tags({"sweep.batch_size": str(exp.batch_size), "sweep.seed": str(exp.seed)})
+    atomic.write_json(out / "result.json", result)
+    log.info("sweep: %s f1 %.4f, %.0f samples/s", exp.name, result["test_f1_macro"], result["samples_per_s"])
+    return result
+
+
+def _finished(path: Path, expected: str) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    result: dict[str, Any] = json.loads(path.read_text())
+    return result if result.get("fingerprint") == expected else None
+
+
+def _pool_worker_init(threads: int) -> None:
+    torch.set_num_threads(threads)
+    os.environ["BATCHLAB_THREADS"] = str(threads)
+
+
+def run_sweep(cfg: Config, paths: stages.Paths) -> dict[str, Any]:
+    """Run every experiment not already finished, then write and print the trade-off report."""
+    dataset = data.load(paths.data)
+    experiments = plan(cfg, dataset.train.y.shape[0])
+    data_hash = dataset.content_hash()
+    state_path = paths.outputs / "sweep" / "state.json"
+    sweep_key = cfg.section_hash("model", "train", "sweep") + f"-{data_hash}"
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+    parent_id = state.get("parent_run_id") if state.get("sweep") == sweep_key else None
+    results: dict[str, dict[str, Any]] = {}
+    for exp in experiments:
+        result_path = paths.outputs / "sweep" / "experiments" / exp.name / "result.json"
+        done = _finished(result_path, fingerprint(cfg, exp, data_hash))
+        if done:
+            results[exp.name] = done
+    todo = [e for e in experiments if e.name not in results]
+    if results:
+        log.info("sweep: resuming, %d of %d experiments already finished", len(results), len(experiments))
+    started = time.perf_counter()
+    name = f"sweep-{'-'.join(map(str, cfg.sweep.batch_sizes))}"
+    with tracking.run(cfg.tracking, run_id=parent_id, name=None if parent_id else name) as parent:
+        atomic.write_json(state_path, {"sweep": sweep_key, "parent_run_id": parent.run_id})
+        if not parent_id:
+            parent.log_params({**cfg.flat(), "sweep.n_experiments": len(experiments)})
+            parent.set_tags({"sweep": "parent", **tracking.environment_tags()})
+        if cfg.sweep.parallel > 1 and len(todo) > 1:
+            threads = max(1, (os.cpu_count() or 1) // cfg.sweep.parallel)
+            with ProcessPoolExecutor(
+                max_workers=cfg.sweep.parallel,
+                mp_context=get_context("spawn"),  # torch and fork do not mix
+                initializer=_pool_worker_init,
+                initargs=(threads,),
+            ) as pool:
+                futures = [pool.submit(run_experiment, cfg, e, paths, parent.run_id) for e in todo]
+                for exp, future in zip(todo, futures, strict=True):
+                    results[exp.name] = future.result()
+        else:
+            for exp in todo:
+                results[exp.name] = run_experiment(cfg, exp, paths, parent.run_id)
+        ordered = [results[e.name] for e in experiments]
+        summary = report.write(ordered, paths.reports / "sweep")
+        summary["sweep_wall_seconds"] = time.perf_counter() - started
+        summary["sum_train_seconds"] = sum(r["train_seconds"] for r in ordered if r["name"] in {e.name for e in todo})
+        atomic.write_json(paths.reports / "sweep" / "sweep.json", summary)
+        parent.log_metrics({k: float(v) for k, v in summary.items() if isinstance(v, int | float)})
+        for file in sorted((paths.reports / "sweep").iterdir()):
+            parent.log_artifact(file, "sweep")
+    print(summary["markdown"])
+    return summary

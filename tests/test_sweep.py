@@ -1,0 +1,151 @@
+"""The batch-size sweep against a real MLflow backend (SQLite) and real training."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from batchlab import report, stages, sweep
+from batchlab.config import ConfigError
+from batchlab.train import initial_model
+from tests.conftest import env_with_venv, run, tiny_config, write_params
+
+TRACK = {"enabled": True, "experiment": "sweep-test", "registered_model": ""}
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return tmp_path
+
+
+def test_lr_scaling_rules() -> None:
+    assert sweep.scaled_lr(0.01, 64, 256, "linear") == pytest.approx(0.04)
+    assert sweep.scaled_lr(0.01, 64, 256, "sqrt") == pytest.approx(0.02)
+    assert sweep.scaled_lr(0.01, 64, 16, "none") == 0.01
+
+
+def test_recommendation_is_fastest_within_one_point_of_best_f1() -> None:
+    rows = [
+        {"batch_size": 16, "test_f1_macro_mean": 0.950, "samples_per_s_mean": 1000},
+        {"batch_size": 64, "test_f1_macro_mean": 0.945, "samples_per_s_mean": 4000},
+        {"batch_size": 512, "test_f1_macro_mean": 0.930, "samples_per_s_mean": 9000},
+    ]
+    assert report.recommend(rows) == {"best_f1_batch_size": 16, "fastest_within_1pt_batch_size": 64}
+
+
+def test_sweep_records_parent_children_and_report(workdir: Path) -> None:
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri}, sweep={"lr_scaling": "sqrt"})
+    stages.generate(cfg, stages.Paths(workdir))
+    summary = sweep.run_sweep(cfg, stages.Paths(workdir))
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("sweep-test").experiment_id])
+    parents = [r for r in runs if r.data.tags.get("sweep") == "parent"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
+    assert len(parents) == 1 and len(children) == 3 and len(runs) == 4
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
+    by_batch = {int(c.data.params["train.batch_size"]): c for c in children}
+    assert sorted(by_batch) == [16, 32, 64]
+    for batch, child in by_batch.items():
+        assert float(child.data.params["train.lr"]) == pytest.approx(0.01 * math.sqrt(batch / 32))
+        assert child.data.params["train.epochs"] == "3"
+        for key in ("test_f1_macro", "test_accuracy", "samples_per_s", "epoch_seconds", "peak_memory_mb",
+                    "grad_norm_mean", "grad_norm_var", "epoch_to_95pct_val_accuracy"):  # fmt: skip
+            assert key in child.data.metrics, (batch, key)
+        assert [m.step for m in client.get_metric_history(child.info.run_id, "val_loss")] == [1, 2, 3]
+    models = client.search_logged_models([runs[0].info.experiment_id])
+    assert {m.source_run_id for m in models} == {c.info.run_id for c in children}
+
+    folder = workdir / "reports/sweep"
+    assert {p.name for p in folder.iterdir()} >= {
+        "summary.csv", "summary.md", "curves.csv", "sweep.json", "f1_vs_batch.png",
+        "throughput_vs_batch.png", "memory_vs_batch.png", "val_loss_curves.png",
+    }  # fmt: skip
+    table = report.read_csv(folder / "summary.csv")
+    assert [int(r["batch_size"]) for r in table] == [16, 32, 64]
+    assert float(table[0]["test_f1_macro_mean"]) == pytest.approx(by_batch[16].data.metrics["test_f1_macro"])
+    text = (folder / "summary.md").read_text()
+    best = summary["best_f1_batch_size"]
+    assert f"Best F1: batch {best}." in text and "Fastest within 1 point of that F1: batch" in text
+    assert parents[0].data.metrics["best_f1_batch_size"] == best
+
+
+def test_experiments_differ_only_in_batch_size_and_lr() -> None:
+    cfg = tiny_config(train={"early_stopping_patience": 3}, sweep={"lr_scaling": "linear"})
+    configs = [sweep.experiment_config(cfg, e) for e in sweep.plan(cfg, n_train=420)]
+    first = configs[0].model_dump()
+    for other in configs[1:]:
+        dump = other.model_dump()
+        changed = {k for k in first["train"] if first["train"][k] != dump["train"][k]}
+        assert changed == {"batch_size", "lr"}
+        assert {s: dump[s] for s in dump if s != "train"} == {s: first[s] for s in first if s != "train"}
+    assert {c.train.epochs for c in configs} == {3} and {c.train.early_stopping_patience for c in configs} == {0}
+    weights = [initial_model(c, 8, 2).state_dict() for c in configs]
+    assert all(torch.equal(weights[0][k], w[k]) for w in weights[1:] for k in w)
+
+
+def test_batch_larger_than_train_split_is_rejected_before_anything_runs(workdir: Path) -> None:
+    cfg = tiny_config(sweep={"batch_sizes": [32, 4096]})
+    stages.generate(cfg, stages.Paths(workdir))
+    with pytest.raises(ConfigError, match=r"sweep.batch_sizes \[4096\] are larger than the train split \(420 rows\)"):
+        sweep.run_sweep(cfg, stages.Paths(workdir))
+    assert not (workdir / "sweep").exists() and not (workdir / "reports").exists()
+
+
+def test_batch_not_dividing_across_ddp_ranks_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"sweep.batch_sizes \[15\] must divide by world size"):
+        tiny_config(train={"strategy": "ddp", "nproc": 2}, sweep={"batch_sizes": [16, 15]})
+
+
+@pytest.mark.slow
+def test_interrupted_sweep_resumes_without_redoing_finished_experiments(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    params = tiny_config(tracking={**TRACK, "tracking_uri": uri}, sweep={"epochs": 20}).model_dump()
+    write_params(tmp_path, params)
+    run(["batchlab", "generate"], tmp_path)
+    proc = subprocess.Popen(["batchlab", "sweep"], cwd=tmp_path, env=env_with_venv(), stderr=subprocess.DEVNULL)
+    first = tmp_path / "sweep/experiments/bs16-seed0/result.json"
+    deadline = time.monotonic() + 180
+    while not first.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    assert first.exists(), "the first experiment never finished"
+    assert not (tmp_path / "reports/sweep/summary.md").exists()
+    before = first.read_text()
+    parent = json.loads((tmp_path / "sweep/state.json").read_text())["parent_run_id"]
+
+    out = run(["batchlab", "sweep"], tmp_path)
+    assert "resuming, 1 of 3 experiments already finished" in out.stderr
+    assert first.read_text() == before
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("sweep-test").experiment_id])
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent]
+    finished = sorted(r.data.params["train.batch_size"] for r in children if r.info.status == "FINISHED")
+    assert finished == ["16", "32", "64"]
+    assert client.get_run(parent).info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_parallel_sweep_runs_experiments_in_processes_without_tracking_collisions(workdir: Path) -> None:
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri}, sweep={"parallel": 2, "seeds": [0, 1]})
+    stages.generate(cfg, stages.Paths(workdir))
+    sweep.run_sweep(cfg, stages.Paths(workdir))
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("sweep-test").experiment_id])
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
+    assert len(children) == 6 and all(r.info.status == "FINISHED" for r in children)
+    table = report.read_csv(workdir / "reports/sweep/summary.csv")
+    assert all(r["seeds"] == "2" for r in table)
+    assert "±" in (workdir / "reports/sweep/summary.md").read_text()  # mean ± std across seeds
