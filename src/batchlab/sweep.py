@@ -6,13 +6,15 @@ leave a result.json, so an interrupted sweep resumes without redoing them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -126,57 +128,98 @@ def _finished(path: Path, expected: str) -> dict[str, Any] | None:
     return result if result.get("fingerprint") == expected else None
 
 
-def _pool_worker_init(threads: int) -> None:
+def _isolated(
+    cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None, threads: int
+) -> dict[str, Any]:
     torch.set_num_threads(threads)
     os.environ["BATCHLAB_THREADS"] = str(threads)
+    return run_experiment(cfg, exp, paths, parent_run_id)
 
 
-def run_sweep(cfg: Config, paths: stages.Paths) -> dict[str, Any]:
-    """Run every experiment not already finished, then write and print the trade-off report."""
+def run_isolated(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
+    """One experiment in a fresh process with its share of the cores (sweep.parallel at once)."""
+    threads = max(1, (os.cpu_count() or 1) // cfg.sweep.parallel)
+    # spawn: torch and fork do not mix; a fresh process also gives an honest peak-memory figure
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(_isolated, cfg, exp, paths, parent_run_id, threads).result()
+
+
+@dataclass
+class Sweep:
+    experiments: list[Experiment]
+    finished: dict[str, dict[str, Any]]
+    key: str
+    parent_run_id: str | None  # the parent run of an interrupted sweep of the same settings
+
+    @property
+    def todo(self) -> list[Experiment]:
+        return [e for e in self.experiments if e.name not in self.finished]
+
+
+def _state_path(paths: stages.Paths) -> Path:
+    return paths.outputs / "sweep" / "state.json"
+
+
+def prepare(cfg: Config, paths: stages.Paths) -> Sweep:
+    """Plan the experiments and find those an earlier, interrupted sweep already finished."""
     dataset = data.load(paths.data)
     experiments = plan(cfg, dataset.train.y.shape[0])
     data_hash = dataset.content_hash()
-    state_path = paths.outputs / "sweep" / "state.json"
-    sweep_key = cfg.section_hash("model", "train", "sweep") + f"-{data_hash}"
-    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
-    parent_id = state.get("parent_run_id") if state.get("sweep") == sweep_key else None
-    results: dict[str, dict[str, Any]] = {}
+    key = cfg.section_hash("model", "train", "sweep") + f"-{data_hash}"
+    state = json.loads(_state_path(paths).read_text()) if _state_path(paths).is_file() else {}
+    finished = {}
     for exp in experiments:
         result_path = paths.outputs / "sweep" / "experiments" / exp.name / "result.json"
         done = _finished(result_path, fingerprint(cfg, exp, data_hash))
         if done:
-            results[exp.name] = done
-    todo = [e for e in experiments if e.name not in results]
-    if results:
-        log.info("sweep: resuming, %d of %d experiments already finished", len(results), len(experiments))
-    started = time.perf_counter()
+            finished[exp.name] = done
+    if finished:
+        log.info("sweep: resuming, %d of %d experiments already finished", len(finished), len(experiments))
+    parent = state.get("parent_run_id") if state.get("sweep") == key else None
+    return Sweep(experiments, finished, key, parent)
+
+
+@contextlib.contextmanager
+def parent_run(cfg: Config, paths: stages.Paths, sweep: Sweep) -> Iterator[tracking.Tracker]:
+    """The sweep's parent MLflow run, re-opened when resuming."""
     name = f"sweep-{'-'.join(map(str, cfg.sweep.batch_sizes))}"
-    with tracking.run(cfg.tracking, run_id=parent_id, name=None if parent_id else name) as parent:
-        atomic.write_json(state_path, {"sweep": sweep_key, "parent_run_id": parent.run_id})
-        if not parent_id:
-            parent.log_params({**cfg.flat(), "sweep.n_experiments": len(experiments)})
+    resuming = sweep.parent_run_id is not None
+    with tracking.run(cfg.tracking, run_id=sweep.parent_run_id, name=None if resuming else name) as parent:
+        atomic.write_json(_state_path(paths), {"sweep": sweep.key, "parent_run_id": parent.run_id})
+        if not resuming:
+            parent.log_params({**cfg.flat(), "sweep.n_experiments": len(sweep.experiments)})
             parent.set_tags({"sweep": "parent", **tracking.environment_tags()})
-        if cfg.sweep.parallel > 1 and len(todo) > 1:
-            threads = max(1, (os.cpu_count() or 1) // cfg.sweep.parallel)
-            with ProcessPoolExecutor(
-                max_workers=cfg.sweep.parallel,
-                mp_context=get_context("spawn"),  # torch and fork do not mix
-                initializer=_pool_worker_init,
-                initargs=(threads,),
-            ) as pool:
-                futures = [pool.submit(run_experiment, cfg, e, paths, parent.run_id) for e in todo]
-                for exp, future in zip(todo, futures, strict=True):
-                    results[exp.name] = future.result()
+        yield parent
+
+
+def finish(
+    paths: stages.Paths, sweep: Sweep, results: dict[str, dict[str, Any]], parent: tracking.Tracker, seconds: float
+) -> dict[str, Any]:
+    """Write the report from every experiment's result and log it on the parent run."""
+    ordered = [{**sweep.finished, **results}[e.name] for e in sweep.experiments]
+    folder = paths.reports / "sweep"
+    summary = report.write(ordered, folder)
+    summary["sweep_wall_seconds"] = seconds
+    summary["sum_train_seconds"] = sum(r["train_seconds"] for r in results.values())
+    atomic.write_json(folder / "sweep.json", summary)
+    parent.log_metrics({k: float(v) for k, v in summary.items() if isinstance(v, int | float)})
+    for file in sorted(folder.iterdir()):
+        parent.log_artifact(file, "sweep")
+    return summary
+
+
+def run_sweep(cfg: Config, paths: stages.Paths) -> dict[str, Any]:
+    """Run every experiment not already finished, then write and print the trade-off report."""
+    sweep = prepare(cfg, paths)
+    started = time.perf_counter()
+    results: dict[str, dict[str, Any]] = {}
+    with parent_run(cfg, paths, sweep) as parent:
+        if cfg.sweep.parallel > 1:
+            with ThreadPoolExecutor(max_workers=cfg.sweep.parallel) as pool:
+                futures = {e.name: pool.submit(run_isolated, cfg, e, paths, parent.run_id) for e in sweep.todo}
+                results = {name: future.result() for name, future in futures.items()}
         else:
-            for exp in todo:
-                results[exp.name] = run_experiment(cfg, exp, paths, parent.run_id)
-        ordered = [results[e.name] for e in experiments]
-        summary = report.write(ordered, paths.reports / "sweep")
-        summary["sweep_wall_seconds"] = time.perf_counter() - started
-        summary["sum_train_seconds"] = sum(r["train_seconds"] for r in ordered if r["name"] in {e.name for e in todo})
-        atomic.write_json(paths.reports / "sweep" / "sweep.json", summary)
-        parent.log_metrics({k: float(v) for k, v in summary.items() if isinstance(v, int | float)})
-        for file in sorted((paths.reports / "sweep").iterdir()):
-            parent.log_artifact(file, "sweep")
+            results = {e.name: run_experiment(cfg, e, paths, parent.run_id) for e in sweep.todo}
+        summary = finish(paths, sweep, results, parent, time.perf_counter() - started)
     print(summary["markdown"])
     return summary
