@@ -199,7 +199,18 @@ def parse_config(raw: dict[str, Any]) -> Config:
         raise ConfigError(_format_error(err)) from None
 
 
-def load_config(path: str | Path = "params.yaml") -> Config:
+def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`{"train.lr": 0.01}` style overrides, the same keys `dvc exp run -S` takes."""
+    out = {section: dict(values) for section, values in raw.items()}
+    for dotted, value in overrides.items():
+        section, _, key = dotted.partition(".")
+        if not key:
+            raise ConfigError(f"override {dotted!r} must be section.key, e.g. train.lr")
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+def load_config(path: str | Path = "params.yaml", overrides: dict[str, Any] | None = None) -> Config:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"params file {str(path)!r} not found (run from the repo root or pass --params)")
@@ -209,4 +220,8 @@ def load_config(path: str | Path = "params.yaml") -> Config:
         raise ConfigError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must be a mapping of sections (data, model, train, ...)")
-    return parse_config(raw)
+    return parse_config(apply_overrides(raw, overrides or {}))
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(), sort_keys=False)

@@ -146,9 +146,12 @@ def build(cfg: DataConfig) -> tuple[Dataset, dict[str, list[float]]]:
     return dataset, {"mean": mean.tolist(), "std": std.tolist()}
 
 
-def save(dataset: Dataset, scaler: dict[str, list[float]], folder: str | Path) -> dict[str, Any]:
-    """Write one .npy per array (byte-for-byte reproducible) plus dataset.json, atomically."""
-    summary = {**dataset.summary(), "scaler": scaler}
+def save(dataset: Dataset, scaler: dict[str, list[float]], folder: str | Path, inputs_key: str = "") -> dict[str, Any]:
+    """Write one .npy per array (byte-for-byte reproducible) plus dataset.json, atomically.
+
+    `inputs_key` names what produced the data (params + code), so a cache can tell it is current.
+    """
+    summary = {**dataset.summary(), "scaler": scaler, "inputs_key": inputs_key}
     with atomic.atomic_path(folder) as tmp:
         tmp.mkdir()
         for name in SPLITS:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import logging
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from batchlab import atomic, data, export, launch, tracking
+from batchlab import config as config_module
 from batchlab.config import Config, ConfigError
 from batchlab.model import load_model, save_model
 from batchlab.strategy import check_supported, resolve_device, started
@@ -64,9 +66,20 @@ class Paths:
         return self.reports / "train.json"
 
 
+def generate_inputs_key(cfg: Config) -> str:
+    """The data section plus the code that turns it into data: what generate's output depends on."""
+    code = b"".join(Path(m.__file__ or "").read_bytes() for m in (data, config_module))
+    return f"{cfg.section_hash('data')}-{hashlib.sha256(code).hexdigest()[:12]}"
+
+
+def generated_is_current(cfg: Config, paths: Paths) -> bool:
+    meta = paths.data / "dataset.json"
+    return meta.is_file() and json.loads(meta.read_text()).get("inputs_key") == generate_inputs_key(cfg)
+
+
 def generate(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
     dataset, scaler = data.build(cfg.data)
-    summary = data.save(dataset, scaler, paths.data)
+    summary = data.save(dataset, scaler, paths.data, generate_inputs_key(cfg))
     log.info("generate: %s rows %s, hash %s", cfg.data.source,
              {k: v["rows"] for k, v in summary["splits"].items()}, summary["content_hash"])  # fmt: skip
     return summary
@@ -108,7 +121,12 @@ def train_worker(cfg: Config, params: Path, paths: Paths, tracker: tracking.Trac
 
 
 def train(
-    cfg: Config, params: Path, paths: Paths = Paths(), parent_run_id: str | None = None, name: str | None = None
+    cfg: Config,
+    params: Path,
+    paths: Paths = Paths(),
+    parent_run_id: str | None = None,
+    name: str | None = None,
+    tags: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Train on the prepared data; under `strategy: ddp` start the ranks through torchrun."""
     dataset = data.load(paths.data)
@@ -120,7 +138,7 @@ def train(
         return {}
     tc = cfg.train
     name = name or f"bs{tc.batch_size}-lr{tc.lr:g}-{tc.strategy}-{tc.precision}"
-    tags = tracking.environment_tags()
+    tags = {**tracking.environment_tags(), **(tags or {})}
     with tracking.run(cfg.tracking, name=name, parent_run_id=parent_run_id, tags=tags) as tracker:
         tracker.log_params(cfg.flat())
         tracker.log_datasets(dataset, cfg.data.source)

@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from batchlab import atomic, data, evaluate, report, stages, tracking
-from batchlab.config import Config, ConfigError, parse_config
+from batchlab.config import Config, ConfigError, dump_config, parse_config
 from batchlab.model import load_model
 from batchlab.train import steps_per_epoch
 
@@ -85,7 +84,7 @@ def run_experiment(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run
     out = paths.outputs / "sweep" / "experiments" / exp.name
     exp_cfg = experiment_config(cfg, exp)
     params = out / "params.yaml"
-    atomic.write_text(params, yaml.safe_dump(exp_cfg.model_dump(), sort_keys=False))
+    atomic.write_text(params, dump_config(exp_cfg))
     exp_paths = stages.Paths(root=paths.root, out=out)
     info = stages.train(exp_cfg, params, exp_paths, parent_run_id=parent_run_id, name=exp.name)
     history = [{k: float(v) for k, v in row.items()} for row in report.read_csv(exp_paths.reports / "history.csv")]
@@ -136,12 +135,20 @@ def _isolated(
     return run_experiment(cfg, exp, paths, parent_run_id)
 
 
-def run_isolated(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
-    """One experiment in a fresh process with its share of the cores (sweep.parallel at once)."""
+def run_one(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
+    """One experiment: in this process, or in a fresh one with its share of the cores when
+    sweep.parallel experiments run at once."""
+    if cfg.sweep.parallel == 1:
+        return run_experiment(cfg, exp, paths, parent_run_id)
     threads = max(1, (os.cpu_count() or 1) // cfg.sweep.parallel)
     # spawn: torch and fork do not mix; a fresh process also gives an honest peak-memory figure
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
         return pool.submit(_isolated, cfg, exp, paths, parent_run_id, threads).result()
+
+
+def lanes(experiments: list[Experiment], parallel: int) -> list[list[Experiment]]:
+    """Split experiments into `parallel` queues that run side by side, each one at a time."""
+    return [experiments[i::parallel] for i in range(min(parallel, len(experiments)))]
 
 
 @dataclass
@@ -213,13 +220,9 @@ def run_sweep(cfg: Config, paths: stages.Paths) -> dict[str, Any]:
     sweep = prepare(cfg, paths)
     started = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
-    with parent_run(cfg, paths, sweep) as parent:
-        if cfg.sweep.parallel > 1:
-            with ThreadPoolExecutor(max_workers=cfg.sweep.parallel) as pool:
-                futures = {e.name: pool.submit(run_isolated, cfg, e, paths, parent.run_id) for e in sweep.todo}
-                results = {name: future.result() for name, future in futures.items()}
-        else:
-            results = {e.name: run_experiment(cfg, e, paths, parent.run_id) for e in sweep.todo}
+    with parent_run(cfg, paths, sweep) as parent, ThreadPoolExecutor(max_workers=cfg.sweep.parallel) as pool:
+        futures = {e.name: pool.submit(run_one, cfg, e, paths, parent.run_id) for e in sweep.todo}
+        results = {name: future.result() for name, future in futures.items()}
         summary = finish(paths, sweep, results, parent, time.perf_counter() - started)
     print(summary["markdown"])
     return summary

@@ -1,0 +1,59 @@
+"""Prefect flow: the batch-size sweep, one task per experiment, `sweep.parallel` at a time."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NONE
+from prefect.futures import PrefectFuture
+from prefect.tasks import exponential_backoff
+
+from batchlab import orchestration, stages, sweep
+from batchlab.config import Config
+from pipeline import generate  # flows/ is on sys.path when a flow file runs
+
+
+@task(
+    name="experiment",
+    task_run_name="bs{exp.batch_size}-seed{exp.seed}",
+    retries=2,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    retry_condition_fn=orchestration.retry_transient,
+    cache_policy=NONE,
+)
+def experiment(cfg: Config, exp: sweep.Experiment, root: str, parent_run_id: str | None) -> dict[str, Any]:
+    return sweep.run_one(cfg, exp, stages.Paths(Path(root)), parent_run_id)
+
+
+@flow(name="batchlab-sweep", log_prints=True)
+def batch_size_sweep(
+    params: str = "params.yaml", overrides: dict[str, Any] | None = None, root: str = "."
+) -> dict[str, Any]:
+    """Train at every sweep.batch_sizes under identical conditions; report the trade-off."""
+    cfg, _ = orchestration.resolve(params, overrides, root)
+    paths = stages.Paths(Path(root))
+    generate(cfg, root)
+    plan = sweep.prepare(cfg, paths)
+    started = time.perf_counter()
+    with sweep.parent_run(cfg, paths, plan) as parent:
+        futures: list[tuple[str, PrefectFuture[dict[str, Any]]]] = []
+        for lane in sweep.lanes(plan.todo, cfg.sweep.parallel):
+            previous: list[PrefectFuture[dict[str, Any]]] = []
+            for exp in lane:  # one lane runs its experiments one after another
+                future = experiment.submit(cfg, exp, root, parent.run_id, wait_for=previous, return_state=False)
+                futures.append((exp.name, future))
+                previous = [future]
+        results = {name: future.result() for name, future in futures}
+        summary = sweep.finish(paths, plan, results, parent, time.perf_counter() - started)
+    create_markdown_artifact(
+        key="batchlab-sweep", markdown=f"**MLflow parent run:** `{parent.run_id}`\n\n{summary['markdown']}"
+    )
+    return {k: v for k, v in summary.items() if k != "markdown"}
+
+
+if __name__ == "__main__":
+    batch_size_sweep()

@@ -1,0 +1,52 @@
+"""What the Prefect flows decide, kept out of flows/ so the flows stay wiring only."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from batchlab import atomic, launch, stages, tracking
+from batchlab.config import Config, ConfigError, dump_config, load_config
+from batchlab.data import DataError
+
+# worth another try: a tracking server that is restarting, a DDP launcher that lost a rank
+TRANSIENT = (tracking.TrackingUnavailable, launch.LaunchError, ConnectionError, TimeoutError)
+NEVER_RETRY = (ConfigError, DataError)
+
+
+def is_transient(error: BaseException) -> bool:
+    return isinstance(error, TRANSIENT) and not isinstance(error, NEVER_RETRY)
+
+
+def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect's retry_condition_fn: retry transient failures, never a config or data error."""
+    try:
+        state.result()
+    except Exception as error:
+        return is_transient(error)
+    return False
+
+
+def generate_cache_key(context: Any, parameters: dict[str, Any]) -> str | None:
+    """Prefect cache key for generate: its inputs (data section + code), but only while the data
+    on disk was made from those inputs; otherwise None, so the task runs."""
+    cfg: Config = parameters["cfg"]
+    paths = stages.Paths(Path(parameters["root"]))
+    return f"generate-{stages.generate_inputs_key(cfg)}" if stages.generated_is_current(cfg, paths) else None
+
+
+def resolve(params: str, overrides: dict[str, Any] | None, root: str) -> tuple[Config, Path]:
+    """Load params with overrides, and write the resolved file that DDP ranks will read."""
+    logging.getLogger("batchlab").setLevel(logging.INFO)  # shown in Prefect with PREFECT_LOGGING_EXTRA_LOGGERS
+    cfg = load_config(Path(root) / params, overrides)
+    resolved = Path(root) / ".batchlab" / "flow-params.yaml"
+    atomic.write_text(resolved, dump_config(cfg))
+    return cfg, resolved
+
+
+def metrics_markdown(metrics: dict[str, float], run_id: str | None) -> str:
+    # headline figures only; per-class ones stay in the MLflow run
+    headline = {k: v for k, v in metrics.items() if "_" not in k or k.endswith(("_macro", "_weighted", "auc"))}
+    rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in headline.items())
+    return f"**MLflow run:** `{run_id}`\n\n| metric | value |\n|---|---:|\n{rows}\n"
