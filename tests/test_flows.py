@@ -20,8 +20,8 @@ from batchlab.data import DataError
 from tests.conftest import REPO, TINY, merge, run, write_params
 
 sys.path.insert(0, str(REPO / "flows"))
-import pipeline as pipeline_flow  # noqa: E402
-import sweep as sweep_flow  # noqa: E402
+import pipeline as pipeline_flow
+import sweep as sweep_flow
 
 pytestmark = pytest.mark.slow
 
