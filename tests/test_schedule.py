@@ -1,0 +1,119 @@
+"""Scheduled runs end to end: a real `prefect server`, `flows/serve.py` serving, a triggered run."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from mlflow import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from tests.conftest import env_with_venv
+from tests.test_pipeline import _set
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def prefect_api(tmp_path: Path) -> Iterator[str]:
+    """`prefect server start` on a free 127.0.0.1 port with its own home (SQLite)."""
+    port = _free_port()
+    env = env_with_venv(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_UI_ENABLED="false")
+    env.pop("PREFECT_API_URL", None)
+    log = open(tmp_path / "prefect-server.log", "w")  # noqa: SIM115
+    server = subprocess.Popen(
+        ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    api = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError((tmp_path / "prefect-server.log").read_text()[-3000:])
+            time.sleep(0.5)
+        yield api
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+
+
+def _api(api: str, call: Any) -> Any:
+    async def go() -> Any:
+        async with get_client() as client:
+            return await call(client)
+
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        return asyncio.run(go())
+
+
+def test_scheduled_deployment_is_stored_and_a_triggered_run_completes(repo_copy: Path, prefect_api: str) -> None:
+    _set(repo_copy, "tracking", enabled=True)
+    env = env_with_venv(
+        PREFECT_API_URL=prefect_api,
+        PREFECT_HOME=str(repo_copy / ".prefect"),
+        PREFECT_RUNNER_POLL_FREQUENCY="2",
+        BATCHLAB_TIMEZONE="Europe/Amsterdam",
+    )
+    log = open(repo_copy / "serve.log", "w")  # noqa: SIM115
+    serving = subprocess.Popen(["python", "flows/serve.py"], cwd=repo_copy, env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 120
+        deployment = None
+        while deployment is None:
+            assert serving.poll() is None and time.monotonic() < deadline, (repo_copy / "serve.log").read_text()
+            time.sleep(1)
+            try:
+                deployment = _api(prefect_api, lambda c: c.read_deployment_by_name("batchlab-pipeline/nightly"))
+            except Exception:
+                deployment = None
+        schedule = deployment.schedules[0].schedule
+        assert (schedule.cron, schedule.timezone) == ("0 2 * * *", "Europe/Amsterdam")
+        assert deployment.parameters == {"params": "params.yaml", "root": "."}
+        sweep = _api(prefect_api, lambda c: c.read_deployment_by_name("batchlab-sweep/weekly"))
+        assert sweep.schedules[0].schedule.cron == "0 3 * * 0"
+
+        with temporary_settings(updates={PREFECT_API_URL: prefect_api}):
+            flow_run = run_deployment("batchlab-pipeline/nightly", timeout=0)
+        deadline = time.monotonic() + 400
+        while True:
+            state = _api(prefect_api, lambda c: c.read_flow_run(flow_run.id)).state
+            if state.is_final() or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        assert state.is_completed(), f"{state}\n{(repo_copy / 'serve.log').read_text()[-4000:]}"
+    finally:
+        serving.terminate()
+        serving.wait(timeout=60)
+        log.close()
+
+    client = MlflowClient(f"sqlite:///{repo_copy / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("batchlab").experiment_id])
+    linked = [r for r in runs if r.data.tags.get("prefect.flow_run_id") == str(flow_run.id)]
+    assert len(linked) == 1 and linked[0].info.status == "FINISHED"
+    assert linked[0].data.metrics["test_f1_macro"] > 0.8
+    assert os.path.exists(repo_copy / "models/model.onnx")
