@@ -42,7 +42,7 @@ def run(argv: list[str]) -> None:
         stages.generate(cfg, paths)
     elif args.stage == "train":
         if launch.is_worker():
-            stages.train_worker(cfg, args.params, paths)
+            stages.train_worker(cfg, paths)
         else:
             stages.train(cfg, args.params, paths)
     elif args.stage == "evaluate":

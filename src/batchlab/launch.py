@@ -48,9 +48,9 @@ def worker_env(cfg: TrainConfig, run_id: str | None) -> dict[str, str]:
     return env
 
 
-def launch(cfg: TrainConfig, stage_args: list[str], run_id: str | None) -> None:
-    """Run `batchlab <stage_args>` on every rank of this machine; raise LaunchError on failure."""
+def launch(cfg: TrainConfig, stage_args: list[str], cwd: Path, run_id: str | None) -> None:
+    """Run `batchlab <stage_args>` on every rank of this machine, in `cwd`; raise LaunchError on failure."""
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(cfg), "-m", "batchlab.cli", *stage_args]
-    code = subprocess.run(cmd, env=worker_env(cfg, run_id), cwd=Path.cwd()).returncode
+    code = subprocess.run(cmd, env=worker_env(cfg, run_id), cwd=cwd).returncode
     if code != 0:
         raise LaunchError(f"distributed training failed: torchrun exited {code} (the failing rank's error is above)")

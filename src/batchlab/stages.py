@@ -99,7 +99,7 @@ def history_csv(history: list[dict[str, float]]) -> str:
     return buf.getvalue()
 
 
-def train_worker(cfg: Config, params: Path, paths: Paths, tracker: tracking.Tracker | None = None) -> None:
+def train_worker(cfg: Config, paths: Paths, tracker: tracking.Tracker | None = None) -> None:
     """One training process: the only one, or one rank under torchrun. Rank 0 writes the outputs."""
     threads = cfg.train.threads or int(os.environ.get("BATCHLAB_THREADS", "0"))
     if threads:
@@ -132,9 +132,10 @@ def train(
     dataset = data.load(paths.data)
     _check_batch_fits(cfg, dataset)
     check_supported(cfg.train)
-    worker_args = ["--params", str(params), "--out", str(paths.outputs), "train"]
+    # ranks start in paths.root, so every path they are given is absolute
+    worker_args = ["--params", str(params.resolve()), "--out", str(paths.outputs.resolve()), "train"]
     if cfg.train.node_rank > 0:  # another machine's ranks: node 0 tracks and writes every output
-        launch.launch(cfg.train, worker_args, run_id=None)
+        launch.launch(cfg.train, worker_args, paths.root, run_id=None)
         return {}
     tc = cfg.train
     name = name or f"bs{tc.batch_size}-lr{tc.lr:g}-{tc.strategy}-{tc.precision}"
@@ -144,9 +145,9 @@ def train(
         tracker.log_datasets(dataset, cfg.data.source)
         tracker.set_tags({f"train.{k}": v for k, v in _strategy_tags(cfg).items()})
         if cfg.train.strategy == "ddp":
-            launch.launch(cfg.train, worker_args, tracker.run_id)
+            launch.launch(cfg.train, worker_args, paths.root, tracker.run_id)
         else:
-            train_worker(cfg, params, paths, tracker)
+            train_worker(cfg, paths, tracker)
         model, _ = load_model(paths.model)
         model_uri = tracker.log_torch_model(model, dataset.test.x[:5])
         tracker.log_artifact(paths.reports / "history.csv")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import math
 import os
 import resource
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,8 @@ class Strategy:
     world_size: int = 1
     timeout_s: float = 300.0
     scaler: torch.amp.GradScaler = field(init=False)
+    _params: list[nn.Parameter] = field(init=False, default_factory=list)
+    _flat_grads: torch.Tensor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
@@ -117,6 +120,8 @@ class Strategy:
 
     def shard(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's equal slice of a global batch (the batch size divides by world size)."""
+        if self.world_size == 1:
+            return batch
         per_rank = batch.shape[0] // self.world_size
         return batch[self.rank * per_rank : (self.rank + 1) * per_rank]
 
@@ -129,23 +134,40 @@ class Strategy:
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> torch.Tensor:
-        """Unscale, measure the gradient norm, step unless it is non-finite. Returns the norm.
+    def prepare(self, model: nn.Module) -> None:
+        """On one process, make every gradient a view of one flat buffer: the gradient norm and
+        the zeroing become one op each instead of one per tensor (~25% of a small model's step)."""
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._flat_grads = None
+        if self.is_distributed:  # DDP owns the gradient buffers
+            return
+        flat = torch.zeros(sum(p.numel() for p in self._params), device=self.device)
+        offset = 0
+        for p in self._params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self._flat_grads = flat
 
-        No host sync: fused optimizers skip a step on device through `found_inf`.
-        """
+    def step(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Unscale, measure the gradient norm, step unless it is non-finite, zero. Returns the norm."""
         self.scaler.unscale_(optimizer)
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = get_total_norm(grads)
+        if self._flat_grads is not None:
+            norm = torch.linalg.vector_norm(self._flat_grads)
+        else:
+            norm = get_total_norm([p.grad for p in self._params if p.grad is not None])
         if self.scaler.is_enabled():
-            self.scaler.step(optimizer)
+            self.scaler.step(optimizer)  # skips non-finite steps itself
             self.scaler.update()
-        elif getattr(optimizer, "_step_supports_amp_scaling", False):
+        elif self.device.type == "cuda" and getattr(optimizer, "_step_supports_amp_scaling", False):
+            # a fused optimizer skips the step on the GPU: no host sync per step
             optimizer.found_inf = (~torch.isfinite(norm)).float()  # type: ignore[attr-defined]
             optimizer.step()
-        elif torch.isfinite(norm):
+        elif math.isfinite(norm.item()):  # on the CPU nothing is queued: reading a value costs no sync
             optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if self._flat_grads is not None:
+            self._flat_grads.zero_()
+        else:
+            optimizer.zero_grad(set_to_none=True)
         return norm
 
     def mean_across_ranks(self, values: torch.Tensor) -> torch.Tensor:

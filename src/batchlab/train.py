@@ -59,13 +59,14 @@ def make_optimizer(cfg: TrainConfig, params: Any, lr: float | None = None) -> to
 
 def make_schedule(
     cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int
-) -> torch.optim.lr_scheduler.LambdaLR:
+) -> torch.optim.lr_scheduler.LambdaLR | None:
+    """Warmup + cosine, stepped per optimizer step; None for a constant rate (nothing to step)."""
+    if cfg.schedule == "constant":
+        return None
     total = max(1, cfg.epochs * steps_per_epoch)
     warmup = int(cfg.warmup_epochs * steps_per_epoch)
 
     def factor(step: int) -> float:
-        if cfg.schedule == "constant":
-            return 1.0
         if step < warmup:
             return (step + 1) / warmup
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -94,6 +95,34 @@ def predict_logits(model: nn.Module, x: torch.Tensor, strategy: Strategy, chunk:
 
 def _tensors(split: Split, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(split.x).to(device), torch.from_numpy(split.y).to(device)
+
+
+@dataclass(frozen=True)
+class EpochStats:
+    train_loss: float
+    norm_mean: float
+    norm_var: float
+    nonfinite: int
+    worst_nonfinite_run: int
+
+
+def _epoch_stats(losses: list[torch.Tensor], norms: list[torch.Tensor], strategy: Strategy) -> EpochStats:
+    """Mean train loss over ranks, and the gradient norm's mean/variance over the finite steps."""
+    train_loss = strategy.mean_across_ranks(torch.stack(losses).float().mean()).item()
+    norm = torch.stack(norms).float().cpu()
+    finite = torch.isfinite(norm)
+    ok = norm[finite]
+    worst = run = 0
+    for bad in (~finite).tolist():
+        run = run + 1 if bad else 0
+        worst = max(worst, run)
+    return EpochStats(
+        train_loss=train_loss,
+        norm_mean=ok.mean().item() if ok.numel() else 0.0,
+        norm_var=ok.var(unbiased=False).item() if ok.numel() else 0.0,
+        nonfinite=int((~finite).sum()),
+        worst_nonfinite_run=worst,
+    )
 
 
 def _progress(total: int, start: int, enabled: bool) -> Any:
@@ -136,7 +165,8 @@ def fit(
         if saved.get("fingerprint") == print_fp:
             model.load_state_dict(saved["model"])
             optimizer.load_state_dict(saved["optimizer"])
-            schedule.load_state_dict(saved["schedule"])
+            if schedule is not None:
+                schedule.load_state_dict(saved["schedule"])
             strategy.scaler.load_state_dict(saved["scaler"])
             best_weights = saved["best_model"]
             state = TrainState(**saved["state"])
@@ -145,8 +175,8 @@ def fit(
             log.info("ignoring %s: it was written for other params or data", checkpoint)
 
     net = strategy.wrap(model)
+    strategy.prepare(model)
     strategy.reset_peak_memory()
-    params = list(model.parameters())
     x_train, y_train = _tensors(dataset.train, strategy.device)
     x_val, y_val = _tensors(dataset.val, strategy.device)
     micro = tc.grad_accum_steps
@@ -159,39 +189,26 @@ def fit(
         order = order.to(strategy.device)
         torch.manual_seed(tc.seed * 7919 + epoch * 131 + strategy.rank)
         net.train()
-        loss_sum = torch.zeros((), device=strategy.device)
-        norm_sum = torch.zeros((), device=strategy.device)
-        norm_sq_sum = torch.zeros((), device=strategy.device)
-        nonfinite = torch.zeros((), device=strategy.device)
-        run = torch.zeros((), device=strategy.device)
-        worst_run = torch.zeros((), device=strategy.device)
+        losses: list[torch.Tensor] = []
+        norms: list[torch.Tensor] = []
         started = time.perf_counter()
         for step in range(steps):
             rows = strategy.shard(order[step * tc.batch_size : (step + 1) * tc.batch_size])
-            for i, chunk in enumerate(rows.chunk(micro)):
+            for i, chunk in enumerate(rows.chunk(micro) if micro > 1 else (rows,)):
                 with strategy.accumulating(net, last_micro_batch=i == micro - 1):
                     with strategy.autocast():
                         loss = F.cross_entropy(net(x_train[chunk]), y_train[chunk])
-                    strategy.backward(loss / micro)
-                loss_sum += loss.detach().float()
-            norm = strategy.step(optimizer, params).float()
-            schedule.step()
-            bad = (~torch.isfinite(norm)).float()
-            finite_norm = torch.nan_to_num(norm, nan=0.0, posinf=0.0) * (1 - bad)
-            norm_sum += finite_norm
-            norm_sq_sum += finite_norm * finite_norm
-            nonfinite += bad
-            run = (run + 1) * bad  # consecutive non-finite steps, counted on device
-            worst_run = torch.maximum(worst_run, run)
-        # one host sync per epoch: reading a value every step costs ~10% on small models
-        train_loss = strategy.mean_across_ranks(loss_sum / (steps * micro)).item()
+                    strategy.backward(loss if micro == 1 else loss / micro)
+                losses.append(loss.detach())
+            norms.append(strategy.step(optimizer))
+            if schedule is not None:
+                schedule.step()
+        # one host sync per epoch: the step's figures stay on the device until here
+        stats = _epoch_stats(losses, norms, strategy)
         seconds = time.perf_counter() - started
-        n_ok = max(1.0, steps - nonfinite.item())
-        norm_mean = norm_sum.item() / n_ok
-        norm_var = max(0.0, norm_sq_sum.item() / n_ok - norm_mean**2)
-        if worst_run.item() >= tc.max_nonfinite_steps:
+        if stats.worst_nonfinite_run >= tc.max_nonfinite_steps:
             raise NonFiniteError(
-                f"{int(worst_run.item())} consecutive steps had non-finite gradients in epoch {epoch + 1} "
+                f"{stats.worst_nonfinite_run} consecutive steps had non-finite gradients in epoch {epoch + 1} "
                 f"(limit train.max_nonfinite_steps={tc.max_nonfinite_steps}); lower train.lr or use fp32/bf16"
             )
         val_logits = predict_logits(model, x_val, strategy)
@@ -199,16 +216,16 @@ def fit(
         val_acc = (val_logits.argmax(1) == y_val).float().mean().item()
         row: dict[str, float] = {
             "epoch": float(epoch + 1),
-            "train_loss": train_loss,
+            "train_loss": stats.train_loss,
             "val_loss": val_loss,
             "val_accuracy": val_acc,
             "samples_per_s": steps * tc.batch_size / seconds,
             "epoch_seconds": seconds,
             "peak_memory_mb": strategy.peak_memory_mb(),
-            "grad_norm_mean": norm_mean,
-            "grad_norm_var": norm_var,
-            "nonfinite_steps": nonfinite.item(),
-            "lr": float(schedule.get_last_lr()[0]),
+            "grad_norm_mean": stats.norm_mean,
+            "grad_norm_var": stats.norm_var,
+            "nonfinite_steps": float(stats.nonfinite),
+            "lr": float(optimizer.param_groups[0]["lr"]),
         }
         state.history.append(row)
         state.epoch = epoch + 1
@@ -225,7 +242,7 @@ def fit(
                     "fingerprint": print_fp,
                     "model": model.state_dict(),
                     "optimizer": optimizer.state_dict(),
-                    "schedule": schedule.state_dict(),
+                    "schedule": None if schedule is None else schedule.state_dict(),
                     "scaler": strategy.scaler.state_dict(),
                     "best_model": best_weights,
                     "state": state.__dict__,
