@@ -111,6 +111,7 @@ def train_worker(cfg: Config, paths: Paths, tracker: tracking.Tracker | None = N
             tracker = tracking.attach(cfg.tracking, run_id) if run_id and strategy.is_main else tracking.NullTracker()
         with strategy.collective_errors():
             result = fit(cfg, dataset, strategy, tracker, checkpoint=paths.checkpoint)
+        tracker.flush()
         if strategy.is_main:
             save_model(paths.model, result.model, cfg.model, dataset.n_features, dataset.class_names)
             atomic.write_text(paths.reports / "history.csv", history_csv(result.history))
