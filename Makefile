@@ -6,6 +6,7 @@ STAMP := $(VENV)/.batchlab-installed
 export PATH := $(abspath $(BIN)):$(PATH)
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_HOME ?= $(abspath .prefect)
+export PREFECT_LOGGING_EXTRA_LOGGERS ?= batchlab
 
 .PHONY: setup run test lint bench ui serve clean
 
@@ -37,8 +38,8 @@ bench: setup  ## speed and overhead tables -> benchmarks/results.json and README
 ui: setup  ## MLflow UI on 127.0.0.1 only
 	$(BIN)/mlflow ui --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db} --host 127.0.0.1 --port 5000
 
-serve: setup  ## serve the scheduled Prefect deployments from this machine
-	$(BIN)/python flows/serve.py
+serve: setup  ## serve the scheduled Prefect deployments (starts a local Prefect server if none is set)
+	BIN=$(BIN) flows/serve.sh
 
 clean:
 	rm -rf .batchlab reports models data/prepared mlflow.db mlruns .pytest_cache .mypy_cache .ruff_cache

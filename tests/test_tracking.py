@@ -99,6 +99,16 @@ def test_an_exception_ends_the_run_failed_with_the_error(workdir: Path) -> None:
     assert r.data.tags["error"] == "ZeroDivisionError: division by zero"
 
 
+def test_system_metrics_are_sampled_when_enabled(workdir: Path) -> None:
+    cfg = TrackingConfig(**{**ON, "tracking_uri": _uri(workdir), "system_metrics": True})
+    with tracking.run(cfg) as tracker:
+        run_id = str(tracker.run_id)
+        time.sleep(4.5)  # the sampler writes every 2 s
+    metrics = MlflowClient(_uri(workdir)).get_run(run_id).data.metrics
+    assert any(k.startswith("system/cpu_utilization") for k in metrics), sorted(metrics)
+    assert any(k.startswith("system/system_memory_usage") for k in metrics), sorted(metrics)
+
+
 @pytest.mark.slow
 def test_sigterm_ends_the_run_killed(repo_copy: Path) -> None:
     from tests.test_pipeline import _set

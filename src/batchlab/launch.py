@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from batchlab.config import TrainConfig
@@ -46,6 +47,16 @@ def worker_env(cfg: TrainConfig, run_id: str | None) -> dict[str, str]:
     else:
         env.pop(RUN_ID_ENV, None)
     return env
+
+
+def start_ranks(
+    cfg: TrainConfig, stage_args: list[str], cwd: Path, run_id: str | None, in_process: Callable[[], None]
+) -> None:
+    """Train on this machine: `in_process` for a single process, or every local rank via torchrun."""
+    if cfg.strategy == "ddp":
+        launch(cfg, stage_args, cwd, run_id)
+    else:
+        in_process()
 
 
 def launch(cfg: TrainConfig, stage_args: list[str], cwd: Path, run_id: str | None) -> None:

@@ -145,10 +145,9 @@ def train(
         tracker.log_params(cfg.flat())
         tracker.log_datasets(dataset, cfg.data.source)
         tracker.set_tags({f"train.{k}": v for k, v in _strategy_tags(cfg).items()})
-        if cfg.train.strategy == "ddp":
-            launch.launch(cfg.train, worker_args, paths.root, tracker.run_id)
-        else:
-            train_worker(cfg, paths, tracker)
+        launch.start_ranks(
+            cfg.train, worker_args, paths.root, tracker.run_id, lambda: train_worker(cfg, paths, tracker)
+        )
         model, _ = load_model(paths.model)
         model_uri = tracker.log_torch_model(model, dataset.test.x[:5])
         tracker.log_artifact(paths.reports / "history.csv")
