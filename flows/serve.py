@@ -22,28 +22,22 @@ WEEKLY = "0 3 * * 0"  # the sweep at 03:00 every Sunday
 
 def deployments(params: str = "params.yaml", root: str = ".") -> list[RunnerDeployment]:
     timezone = os.environ.get("BATCHLAB_TIMEZONE", "UTC")
-    parameters = {"params": params, "root": root}
+    schedule = [
+        (pipeline, "nightly", NIGHTLY, "generate -> train -> evaluate -> export from params.yaml"),
+        (batch_size_sweep, "weekly", WEEKLY, "batch-size sweep: one MLflow parent run, one child per experiment"),
+    ]
     return [
         cast(
             RunnerDeployment,
-            pipeline.to_deployment(
-                name="nightly",
-                schedules=[Cron(NIGHTLY, timezone=timezone)],
-                parameters=parameters,
+            flow.to_deployment(
+                name=name,
+                schedules=[Cron(cron, timezone=timezone)],
+                parameters={"params": params, "root": root},
                 tags=["batchlab"],
-                description="generate -> train -> evaluate -> export from params.yaml",
+                description=description,
             ),
-        ),
-        cast(
-            RunnerDeployment,
-            batch_size_sweep.to_deployment(
-                name="weekly",
-                schedules=[Cron(WEEKLY, timezone=timezone)],
-                parameters=parameters,
-                tags=["batchlab"],
-                description="batch-size sweep: one MLflow parent run, one child per experiment",
-            ),
-        ),
+        )
+        for flow, name, cron, description in schedule
     ]
 
 

@@ -5,9 +5,7 @@
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import io
 import json
 import logging
 import os
@@ -17,7 +15,7 @@ from typing import Any
 
 import torch
 
-from batchlab import atomic, data, export, launch, tracking
+from batchlab import atomic, data, export, launch, report, tracking
 from batchlab import config as config_module
 from batchlab.config import Config, ConfigError
 from batchlab.model import load_model, save_model
@@ -91,14 +89,6 @@ def _check_batch_fits(cfg: Config, dataset: data.Dataset) -> None:
         raise ConfigError(f"train.batch_size ({cfg.train.batch_size}) is larger than the train split ({n_train} rows)")
 
 
-def history_csv(history: list[dict[str, float]]) -> str:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(history[0]), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(history)
-    return buf.getvalue()
-
-
 def train_worker(cfg: Config, paths: Paths, tracker: tracking.Tracker | None = None) -> None:
     """One training process: the only one, or one rank under torchrun. Rank 0 writes the outputs."""
     threads = cfg.train.threads or int(os.environ.get("BATCHLAB_THREADS", "0"))
@@ -114,7 +104,7 @@ def train_worker(cfg: Config, paths: Paths, tracker: tracking.Tracker | None = N
         tracker.flush()
         if strategy.is_main:
             save_model(paths.model, result.model, cfg.model, dataset.n_features, dataset.class_names)
-            atomic.write_text(paths.reports / "history.csv", history_csv(result.history))
+            atomic.write_text(paths.reports / "history.csv", report.to_csv(result.history))
             summary = {"best_epoch": result.best_epoch, "epochs_run": len(result.history),
                        "stopped_early": result.stopped_early}  # fmt: skip
             atomic.write_json(paths.reports / "train_summary.json", summary)
@@ -207,7 +197,7 @@ def export_stage(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
         except export.ParityError:
             paths.onnx.unlink(missing_ok=True)  # a model that disagrees with torch is not an output
             raise
-        report: dict[str, Any] = {
+        export_report: dict[str, Any] = {
             "opset": cfg.export.opset,
             "atol": cfg.export.atol,
             "file_bytes": paths.onnx.stat().st_size,
@@ -215,10 +205,16 @@ def export_stage(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
             "max_abs_diff": max(p.max_abs_diff for p in parity),
             "latency": export.latency_us(model, paths.onnx, dataset.test.x),
         }
-        atomic.write_json(paths.reports / "export.json", report)
-        tracker.log_metrics({"export_max_abs_diff": report["max_abs_diff"], "onnx_file_bytes": report["file_bytes"],
-                             **{f"export_{k}": v for k, v in report["latency"].items()}})  # fmt: skip
+        atomic.write_json(paths.reports / "export.json", export_report)
+        latency = {f"export_{k}": v for k, v in export_report["latency"].items()}
+        tracker.log_metrics(
+            {
+                "export_max_abs_diff": export_report["max_abs_diff"],
+                "onnx_file_bytes": export_report["file_bytes"],
+                **latency,
+            }
+        )
         tracker.log_artifact(paths.reports / "export.json", "export")
         tracker.log_onnx_model(paths.onnx)
-    log.info("export: %s, max |onnx - torch| = %.2e", paths.onnx, report["max_abs_diff"])
-    return report
+    log.info("export: %s, max |onnx - torch| = %.2e", paths.onnx, export_report["max_abs_diff"])
+    return export_report
