@@ -50,7 +50,7 @@ def export(cfg: Config, root: str) -> dict[str, Any]:
 def pipeline(params: str = "params.yaml", overrides: dict[str, Any] | None = None, root: str = ".") -> dict[str, Any]:
     """Train, evaluate and export from `params` (paths relative to `root`); overrides as {"train.lr": 0.01}."""
     cfg, resolved = orchestration.resolve(params, overrides, root)
-    generate(cfg, root)
+    generate.with_options(refresh_cache=orchestration.refresh_generate(cfg, root))(cfg, root)
     info = train(cfg, resolved, root)
     metrics = evaluate(cfg, root)
     report = export(cfg, root)

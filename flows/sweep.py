@@ -36,7 +36,7 @@ def batch_size_sweep(
     """Train at every sweep.batch_sizes under identical conditions; report the trade-off."""
     cfg, _ = orchestration.resolve(params, overrides, root)
     paths = stages.Paths(Path(root))
-    generate(cfg, root)
+    generate.with_options(refresh_cache=orchestration.refresh_generate(cfg, root))(cfg, root)
     plan = sweep.prepare(cfg, paths)
     started = time.perf_counter()
     with sweep.parent_run(cfg, paths, plan) as parent:

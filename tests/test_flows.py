@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,15 +41,25 @@ def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def _task_runs(flow_run_id: Any) -> dict[str, list[Any]]:
+def _task_runs(flow_run_id: Any, expected: int = 1) -> dict[str, list[Any]]:
+    """Task runs of a flow run by task name, once at least `expected` are recorded in final states:
+    Prefect 3 records task-run states through events, a moment after the flow returns."""
+
     async def read() -> list[Any]:
         async with get_client() as client:
             return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
 
     import asyncio
 
+    deadline = time.monotonic() + 60
+    while True:
+        task_runs = asyncio.run(read())
+        settled = len(task_runs) >= expected and all(t.state is not None and t.state.is_final() for t in task_runs)
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     runs: dict[str, list[Any]] = {}
-    for task_run in asyncio.run(read()):
+    for task_run in task_runs:
         runs.setdefault(task_run.task_key.split("-")[0], []).append(task_run)
     return runs
 
@@ -84,13 +95,24 @@ def test_pipeline_flow_links_prefect_and_mlflow_and_caches_generation(root: Path
     assert out["onnx_max_abs_diff"] <= 1e-4
     artifact = _artifact("batchlab-test-metrics")
     assert out["run_id"] in artifact and "f1_macro" in artifact
-    assert [r.state.name for r in _task_runs(flow_run_id)["generate"]] == ["Completed"]
+    assert [r.state.name for r in _task_runs(flow_run_id, expected=4)["generate"]] == ["Completed"]
 
     again = pipeline_flow.pipeline(root=str(root), return_state=True)
-    assert [r.state.name for r in _task_runs(again.state_details.flow_run_id)["generate"]] == ["Cached"]
+    assert [r.state.name for r in _task_runs(again.state_details.flow_run_id, expected=4)["generate"]] == ["Cached"]
+
+    import shutil
+
+    shutil.rmtree(root / "data/prepared")  # a cache hit must not skip rebuilding missing data
+    rebuilt = pipeline_flow.pipeline(root=str(root), return_state=True)
+    assert [r.state.name for r in _task_runs(rebuilt.state_details.flow_run_id, expected=4)["generate"]] == [
+        "Completed"
+    ]
+    assert (root / "data/prepared/dataset.json").is_file()
 
     changed = pipeline_flow.pipeline(root=str(root), overrides={"data.seed": 7}, return_state=True)
-    assert [r.state.name for r in _task_runs(changed.state_details.flow_run_id)["generate"]] == ["Completed"]
+    assert [r.state.name for r in _task_runs(changed.state_details.flow_run_id, expected=4)["generate"]] == [
+        "Completed"
+    ]
 
 
 def test_config_error_fails_once_without_retry_and_leaves_data_intact(root: Path) -> None:
@@ -98,7 +120,7 @@ def test_config_error_fails_once_without_retry_and_leaves_data_intact(root: Path
     before = (root / "data/prepared/x_train.npy").read_bytes()
     state = pipeline_flow.pipeline(root=str(root), overrides={"train.batch_size": 4096}, return_state=True)
     assert state.is_failed()
-    train_runs = _task_runs(state.state_details.flow_run_id)["train"]
+    train_runs = _task_runs(state.state_details.flow_run_id, expected=2)["train"]
     assert len(train_runs) == 1 and train_runs[0].run_count == 1 and train_runs[0].state.name == "Failed"
     assert "larger than the train split" in str(train_runs[0].state.message)
     bad_csv = pipeline_flow.pipeline(
@@ -113,7 +135,7 @@ def test_unreachable_tracking_server_is_retried_then_fails(root: Path, monkeypat
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
     state = pipeline_flow.pipeline(root=str(root), return_state=True)
     assert state.is_failed()
-    train = _task_runs(state.state_details.flow_run_id)["train"][0]
+    train = _task_runs(state.state_details.flow_run_id, expected=2)["train"][0]
     assert train.run_count == 3  # first try + 2 retries
     assert "unreachable" in str(train.state.message)
 
@@ -129,7 +151,7 @@ def test_flow_and_dvc_repro_give_the_same_metrics(repo_copy: Path) -> None:
 def test_sweep_flow_runs_one_task_per_experiment(root: Path) -> None:
     state = sweep_flow.batch_size_sweep(root=str(root), overrides={"sweep.parallel": 2}, return_state=True)
     assert state.is_completed()
-    tasks = _task_runs(state.state_details.flow_run_id)
+    tasks = _task_runs(state.state_details.flow_run_id, expected=4)
     assert sorted(r.name for r in tasks["experiment"]) == ["bs16-seed0", "bs32-seed0", "bs64-seed0"]
     client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("batchlab").experiment_id])

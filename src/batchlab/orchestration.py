@@ -28,12 +28,15 @@ def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-def generate_cache_key(context: Any, parameters: dict[str, Any]) -> str | None:
-    """Prefect cache key for generate: its inputs (data section + code), but only while the data
-    on disk was made from those inputs; otherwise None, so the task runs."""
-    cfg: Config = parameters["cfg"]
-    paths = stages.Paths(Path(parameters["root"]))
-    return f"generate-{stages.generate_inputs_key(cfg)}" if stages.generated_is_current(cfg, paths) else None
+def generate_cache_key(context: Any, parameters: dict[str, Any]) -> str:
+    """Prefect cache key for generate: its inputs, the data section and the code that reads it."""
+    return f"generate-{stages.generate_inputs_key(parameters['cfg'])}"
+
+
+def refresh_generate(cfg: Config, root: str) -> bool:
+    """Run generate even on a cache hit when the data on disk was not made from these inputs
+    (deleted, or rebuilt from other params since): the cache then stores the fresh result."""
+    return not stages.generated_is_current(cfg, stages.Paths(Path(root)))
 
 
 def resolve(params: str, overrides: dict[str, Any] | None, root: str) -> tuple[Config, Path]:
