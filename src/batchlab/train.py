@@ -48,8 +48,8 @@ class TrainResult:
     stopped_early: bool
 
 
-def make_optimizer(cfg: TrainConfig, params: Any, lr: float | None = None) -> torch.optim.Optimizer:
-    lr = cfg.lr if lr is None else lr
+def make_optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:
+    lr = cfg.lr
     # fused kernels: ~1.5-2x faster steps on CPU, and they can skip a non-finite step on device
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=True)
@@ -184,6 +184,10 @@ def fit(
     stopped_early = False
 
     for epoch in range(state.epoch, tc.epochs):
+        # checked here, not after the epoch, so a run resumed from the stopping epoch stops too
+        stopped_early = 0 < tc.early_stopping_patience <= state.bad_epochs
+        if stopped_early:
+            break
         # seeded per epoch (and per rank for dropout) so a resumed run replays the same numbers
         order = torch.randperm(n_train, generator=torch.Generator().manual_seed(tc.seed * 100_003 + epoch))
         order = order.to(strategy.device)
@@ -234,7 +238,6 @@ def fit(
             best_weights = copy.deepcopy(model.state_dict())
         else:
             state.bad_epochs += 1
-        stopped_early = 0 < tc.early_stopping_patience <= state.bad_epochs
         if strategy.is_main:
             tracker.log_epoch(row, step=epoch + 1)
             if checkpoint is not None:
@@ -249,8 +252,6 @@ def fit(
                 }
                 save_checkpoint(checkpoint, payload)
             _report(bar, row, tc.epochs)
-        if stopped_early:
-            break
     if bar is not None:
         bar.close()
     model.load_state_dict(best_weights)
