@@ -124,3 +124,14 @@ def test_non_finite_gradients_stop_the_run_instead_of_training_on_nan(tiny_datas
     cfg = tiny_config(train={"max_nonfinite_steps": 3})
     with pytest.raises(NonFiniteError, match="consecutive steps had non-finite gradients"):
         fit(cfg, poisoned, CPU)
+
+
+def test_resume_from_the_stopping_epoch_stops_again(tiny_dataset: Dataset, tmp_path: Path) -> None:
+    cfg = tiny_config(train={"epochs": 30, "lr": 0.5, "early_stopping_patience": 2, "schedule": "constant"})
+    checkpoint = tmp_path / "ckpt.pt"
+    first = fit(cfg, tiny_dataset, CPU, checkpoint=checkpoint)  # fit leaves its last checkpoint behind
+    assert first.stopped_early
+    again = fit(cfg, tiny_dataset, CPU, checkpoint=checkpoint)
+    assert again.stopped_early and len(again.history) == len(first.history)
+    want, got = _weights(first.model), _weights(again.model)
+    assert all(torch.equal(want[k], got[k]) for k in want)
