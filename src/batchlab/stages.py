@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from batchlab import atomic, data, export, launch, report, tracking
@@ -89,12 +90,15 @@ def _check_batch_fits(cfg: Config, dataset: data.Dataset) -> None:
         raise ConfigError(f"train.batch_size ({cfg.train.batch_size}) is larger than the train split ({n_train} rows)")
 
 
-def train_worker(cfg: Config, paths: Paths, tracker: tracking.Tracker | None = None) -> None:
+def train_worker(
+    cfg: Config, paths: Paths, tracker: tracking.Tracker | None = None, dataset: data.Dataset | None = None
+) -> None:
     """One training process: the only one, or one rank under torchrun. Rank 0 writes the outputs."""
     threads = cfg.train.threads or int(os.environ.get("BATCHLAB_THREADS", "0"))
     if threads:
         torch.set_num_threads(threads)
-    dataset = data.load(paths.data)
+    if dataset is None:  # a rank under torchrun reads it itself
+        dataset = data.load(paths.data)
     with started(cfg.train) as strategy:
         if tracker is None:
             run_id = os.environ.get(launch.RUN_ID_ENV)
@@ -136,7 +140,7 @@ def train(
         tracker.log_datasets(dataset, cfg.data.source)
         tracker.set_tags({f"train.{k}": v for k, v in _strategy_tags(cfg).items()})
         launch.start_ranks(
-            cfg.train, worker_args, paths.root, tracker.run_id, lambda: train_worker(cfg, paths, tracker)
+            cfg.train, worker_args, paths.root, tracker.run_id, lambda: train_worker(cfg, paths, tracker, dataset)
         )
         model, _ = load_model(paths.model)
         model_uri = tracker.log_torch_model(model, dataset.test.x[:5])
@@ -160,16 +164,23 @@ def _run_id(paths: Paths) -> tuple[str | None, str | None]:
     return info.get("run_id"), info.get("model_uri")
 
 
+def score_test_split(model_path: Path, dataset: data.Dataset) -> tuple[dict[str, float], np.ndarray, list[str]]:
+    """Test-split metrics of a saved model; also its predictions and class names."""
+    from batchlab import evaluate  # scikit-learn: ~1 s to import, needed when scoring only
+
+    model, class_names = load_model(model_path)
+    with torch.no_grad():
+        proba = torch.softmax(model(torch.from_numpy(dataset.test.x)), dim=1).numpy()
+    y_pred = proba.argmax(1)
+    return evaluate.classification_metrics(dataset.test.y, y_pred, proba, class_names), y_pred, class_names
+
+
 def evaluate_stage(cfg: Config, paths: Paths = Paths()) -> dict[str, float]:
-    from batchlab import evaluate  # scikit-learn: ~1 s to import, needed by this stage only
+    from batchlab import evaluate
 
     dataset = data.load(paths.data)
-    model, class_names = load_model(paths.model)
-    with torch.no_grad():
-        logits = model(torch.from_numpy(dataset.test.x))
-    proba = torch.softmax(logits, dim=1).numpy()
-    y_true, y_pred = dataset.test.y, proba.argmax(1)
-    metrics = evaluate.classification_metrics(y_true, y_pred, proba, class_names)
+    metrics, y_pred, class_names = score_test_split(paths.model, dataset)
+    y_true = dataset.test.y
     run_id, model_uri = _run_id(paths)
     with tracking.run(cfg.tracking, run_id=run_id, enabled=run_id is not None) as tracker:
         matrix = evaluate.confusion(y_true, y_pred, len(class_names))

@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
-from batchlab import atomic, data, evaluate, report, stages, tracking
+from batchlab import atomic, data, report, stages, tracking
 from batchlab.config import Config, ConfigError, dump_config, parse_config
-from batchlab.model import load_model
 from batchlab.train import steps_per_epoch
 
 log = logging.getLogger(__name__)
@@ -89,10 +88,7 @@ def run_experiment(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run
     info = stages.train(exp_cfg, params, exp_paths, parent_run_id=parent_run_id, name=exp.name)
     history = [{k: float(v) for k, v in row.items()} for row in report.read_csv(exp_paths.reports / "history.csv")]
     dataset = data.load(paths.data)
-    model, class_names = load_model(exp_paths.model)
-    with torch.no_grad():
-        proba = torch.softmax(model(torch.from_numpy(dataset.test.x)), dim=1).numpy()
-    test = evaluate.classification_metrics(dataset.test.y, proba.argmax(1), proba, class_names)
+    test, _, _ = stages.score_test_split(exp_paths.model, dataset)
     train_seconds = sum(h["epoch_seconds"] for h in history)
     result = {
         **asdict(exp),

@@ -216,12 +216,8 @@ class MlflowTracker:
         self._last_write = time.monotonic()
 
     def log_metrics(self, metrics: Mapping[str, float]) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        _retry_locked(
-            self.client.log_batch, self.run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()]
-        )
+        self.log_epoch(metrics, step=0)
+        self.flush()
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         from mlflow.entities import RunTag
