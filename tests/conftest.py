@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,13 @@ def tiny_config(**override: dict[str, Any]) -> Config:
 @pytest.fixture(scope="session")
 def tiny_dataset() -> Dataset:
     return build(tiny_config().data)[0]
+
+
+def free_port() -> int:
+    """A 127.0.0.1 port nothing listens on right now, for a server a test starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def env_with_venv(**extra: str) -> dict[str, str]:

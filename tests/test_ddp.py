@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
-from tests.conftest import env_with_venv, run
+from tests.conftest import env_with_venv, free_port, run
 from tests.test_pipeline import _set
 
 pytestmark = pytest.mark.slow
@@ -112,9 +111,7 @@ def test_two_launchers_act_as_two_machines(repo_copy: Path) -> None:
     run(["batchlab", "train"], repo_copy)
     single = _weights(repo_copy)
     (repo_copy / "models/model.pt").unlink()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     params = yaml.safe_load((repo_copy / "params.yaml").read_text())
     launchers = []
     for node in (0, 1):

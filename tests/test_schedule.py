@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,22 +17,16 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from tests.conftest import env_with_venv
+from tests.conftest import env_with_venv, free_port
 from tests.test_pipeline import _set
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def prefect_api(tmp_path: Path) -> Iterator[str]:
     """`prefect server start` on a free 127.0.0.1 port with its own home (SQLite)."""
-    port = _free_port()
+    port = free_port()
     env = env_with_venv(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_UI_ENABLED="false")
     env.pop("PREFECT_API_URL", None)
     log = open(tmp_path / "prefect-server.log", "w")  # noqa: SIM115

@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 
 from batchlab import stages, tracking
 from batchlab.config import Config, TrackingConfig
-from tests.conftest import env_with_venv, run, tiny_config
+from tests.conftest import env_with_venv, free_port, run, tiny_config
 
 ON = {"enabled": True, "experiment": "test", "registered_model": "tiny-mlp"}
 
@@ -190,7 +190,6 @@ def mlflow_server(tmp_path: Path) -> Iterator[str]:
     """`mlflow server` on a free 127.0.0.1 port, runs in a fresh PostgreSQL database."""
     if not _postgres_available():
         pytest.skip("no PostgreSQL answers at 127.0.0.1:5432 (start it to run the tracking-server test)")
-    import socket
     import uuid
 
     import psycopg2
@@ -199,9 +198,7 @@ def mlflow_server(tmp_path: Path) -> Iterator[str]:
     admin = psycopg2.connect(host="127.0.0.1", port=5432, user="postgres", dbname="postgres")
     admin.autocommit = True
     admin.cursor().execute(f"CREATE DATABASE {db}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen(
         [
             sys.executable,
