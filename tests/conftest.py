@@ -7,8 +7,10 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import yaml
@@ -49,6 +51,42 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+T = TypeVar("T")
+
+# a loaded 2-core machine starts a server or a rank many times slower than an idle one:
+# waits are long, and end early as soon as the thing is ready or its process has died
+WAIT_S = 300.0
+
+
+def wait_until(
+    check: Callable[[], T | None],
+    what: str,
+    *,
+    timeout: float = WAIT_S,
+    interval: float = 0.2,
+    process: subprocess.Popen[Any] | None = None,
+    log: Path | None = None,
+) -> T:
+    """Poll `check` until it returns something truthy, and return it. An exception from `check`
+    counts as "not yet". Fails naming `what` (plus the tail of `log`) at the deadline, or at
+    once when `process` has exited. The one readiness wait for every test."""
+    deadline = time.monotonic() + timeout
+    last_error: BaseException | None = None
+    while True:
+        try:
+            result = check()
+            if result:
+                return result
+        except Exception as err:  # not ready yet: a server still starting, a file half-written
+            last_error = err
+        exited = process is not None and process.poll() is not None
+        if exited or time.monotonic() > deadline:
+            why = f"process exited {process.poll()}" if exited and process else f"not within {timeout:.0f} s"
+            tail = log.read_text(errors="replace")[-4000:] if log is not None and log.exists() else ""
+            raise AssertionError(f"waited for {what}: {why}; last error: {last_error!r}\n{tail}")
+        time.sleep(interval)
 
 
 def env_with_venv(**extra: str) -> dict[str, str]:

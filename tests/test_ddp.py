@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
@@ -14,7 +14,7 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
-from tests.conftest import env_with_venv, free_port, run
+from tests.conftest import env_with_venv, free_port, run, wait_until
 from tests.test_pipeline import _set
 
 pytestmark = pytest.mark.slow
@@ -29,29 +29,24 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def _rank_process(launcher: subprocess.Popen[bytes], rank: int, timeout: float = 60) -> psutil.Process:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _rank_process(launcher: subprocess.Popen[bytes], rank: int) -> psutil.Process:
+    def find() -> psutil.Process | None:
         for child in psutil.Process(launcher.pid).children(recursive=True):
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
                 if child.environ().get("LOCAL_RANK") == str(rank):
                     return child
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        time.sleep(0.1)
-    raise AssertionError(f"rank {rank} never started")
+        return None
+
+    return wait_until(find, f"rank {rank} to start", interval=0.1, process=launcher)
 
 
 def _wait_for_epoch(checkpoint: Path, epoch: int, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if torch.load(checkpoint, weights_only=True)["state"]["epoch"] >= epoch:
-                return
-        except (FileNotFoundError, RuntimeError, EOFError):
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"no checkpoint of epoch {epoch} (launcher exit {proc.poll()})")
+    wait_until(
+        lambda: torch.load(checkpoint, weights_only=True)["state"]["epoch"] >= epoch,
+        f"a checkpoint of epoch {epoch}",
+        interval=0.05,
+        process=proc,
+    )
 
 
 def test_ddp_two_ranks_matches_single_process_and_logs_one_run(repo_copy: Path) -> None:
@@ -73,7 +68,7 @@ def test_ddp_two_ranks_matches_single_process_and_logs_one_run(repo_copy: Path) 
 
 
 def test_killed_rank_is_restarted_and_resumes_to_the_same_weights(repo_copy: Path) -> None:
-    _set(repo_copy, "train", **DDP, epochs=30, batch_size=16, max_restarts=1)
+    _set(repo_copy, "train", **DDP, epochs=60, batch_size=16, max_restarts=1)
     run(["batchlab", "generate"], repo_copy)
     run(["batchlab", "train"], repo_copy)
     expected = _weights(repo_copy)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from prefect.testing.utilities import prefect_test_harness
 from batchlab import orchestration, tracking
 from batchlab.config import ConfigError
 from batchlab.data import DataError
-from tests.conftest import REPO, TINY, merge, run, write_params
+from tests.conftest import REPO, TINY, merge, run, wait_until, write_params
 
 sys.path.insert(0, str(REPO / "flows"))
 import pipeline as pipeline_flow
@@ -51,13 +50,12 @@ def _task_runs(flow_run_id: Any, expected: int = 1) -> dict[str, list[Any]]:
 
     import asyncio
 
-    deadline = time.monotonic() + 60
-    while True:
+    def settled() -> list[Any] | None:
         task_runs = asyncio.run(read())
-        settled = len(task_runs) >= expected and all(t.state is not None and t.state.is_final() for t in task_runs)
-        if settled or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+        done = len(task_runs) >= expected and all(t.state is not None and t.state.is_final() for t in task_runs)
+        return task_runs if done else None
+
+    task_runs = wait_until(settled, f"{expected} task runs in final states", interval=0.5)
     runs: dict[str, list[Any]] = {}
     for task_run in task_runs:
         runs.setdefault(task_run.task_key.split("-")[0], []).append(task_run)

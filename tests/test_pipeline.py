@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from tests.conftest import env_with_venv, run
+from tests.conftest import env_with_venv, run, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -95,12 +94,12 @@ def test_killed_train_resumes_from_checkpoint_and_matches_uninterrupted(repo_cop
 
     checkpoint = repo_copy / ".batchlab/checkpoints/train.pt"
     proc = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env_with_venv(), stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if checkpoint.exists() and torch.load(checkpoint, weights_only=True)["state"]["epoch"] >= 3:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "training finished before it could be interrupted"
+    wait_until(
+        lambda: torch.load(checkpoint, weights_only=True)["state"]["epoch"] >= 3,
+        "a checkpoint of epoch 3",
+        interval=0.05,
+        process=proc,  # fails if training finished before it could be interrupted
+    )
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (repo_copy / "models/model.pt").exists()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from tests.conftest import env_with_venv, free_port
+from tests.conftest import env_with_venv, free_port, wait_until
 from tests.test_pipeline import _set
 
 pytestmark = pytest.mark.slow
@@ -38,16 +37,12 @@ def prefect_api(tmp_path: Path) -> Iterator[str]:
     )
     api = f"http://127.0.0.1:{port}/api"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError((tmp_path / "prefect-server.log").read_text()[-3000:])
-            time.sleep(0.5)
+        wait_until(
+            lambda: httpx.get(f"{api}/health", timeout=2).status_code == 200,
+            "the Prefect server's health check",
+            process=server,
+            log=tmp_path / "prefect-server.log",
+        )
         yield api
     finally:
         server.terminate()
@@ -75,29 +70,37 @@ def test_scheduled_deployment_is_stored_and_a_triggered_run_completes(repo_copy:
     log = open(repo_copy / "serve.log", "w")  # noqa: SIM115
     serving = subprocess.Popen(["python", "flows/serve.py"], cwd=repo_copy, env=env, stdout=log, stderr=log)
     try:
-        deadline = time.monotonic() + 120
-        deployment = None
-        while deployment is None:
-            assert serving.poll() is None and time.monotonic() < deadline, (repo_copy / "serve.log").read_text()
-            time.sleep(1)
-            try:
-                deployment = _api(prefect_api, lambda c: c.read_deployment_by_name("batchlab-pipeline/nightly"))
-            except Exception:
-                deployment = None
-        schedule = deployment.schedules[0].schedule
+        # serve() registers the deployments one after the other: wait for each one read here
+        pipeline, sweep = (
+            wait_until(
+                lambda name=name: _api(prefect_api, lambda c: c.read_deployment_by_name(name)),
+                f"deployment {name}",
+                interval=1,
+                process=serving,
+                log=repo_copy / "serve.log",
+            )
+            for name in ("batchlab-pipeline/nightly", "batchlab-sweep/weekly")
+        )
+        schedule = pipeline.schedules[0].schedule
         assert (schedule.cron, schedule.timezone) == ("0 2 * * *", "Europe/Amsterdam")
-        assert deployment.parameters == {"params": "params.yaml", "root": "."}
-        sweep = _api(prefect_api, lambda c: c.read_deployment_by_name("batchlab-sweep/weekly"))
+        assert pipeline.parameters == {"params": "params.yaml", "root": "."}
         assert sweep.schedules[0].schedule.cron == "0 3 * * 0"
 
         with temporary_settings(updates={PREFECT_API_URL: prefect_api}):
             flow_run = run_deployment("batchlab-pipeline/nightly", timeout=0)
-        deadline = time.monotonic() + 400
-        while True:
+
+        def final_state() -> Any:
             state = _api(prefect_api, lambda c: c.read_flow_run(flow_run.id)).state
-            if state.is_final() or time.monotonic() > deadline:
-                break
-            time.sleep(2)
+            return state if state.is_final() else None
+
+        state = wait_until(
+            final_state,
+            "the triggered flow run to finish",
+            timeout=480,
+            interval=2,
+            process=serving,
+            log=repo_copy / "serve.log",
+        )
         assert state.is_completed(), f"{state}\n{(repo_copy / 'serve.log').read_text()[-4000:]}"
     finally:
         serving.terminate()
