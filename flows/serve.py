@@ -7,6 +7,11 @@ While nothing serves, serve() keeps the schedules paused (pause_on_shutdown), so
 from __future__ import annotations
 
 import os
+
+# before prefect reads its settings (on import): with telemetry on, a run on this network-less
+# machine printed a ~100-line "database is locked" traceback from the analytics service
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
 from typing import cast
 
 from prefect import serve

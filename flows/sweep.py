@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# before prefect reads its settings (on import): with telemetry on, a run on this network-less
+# machine printed a ~100-line "database is locked" traceback from the analytics service
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
 import time
 from pathlib import Path
 from typing import Any

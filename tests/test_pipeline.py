@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import subprocess
@@ -24,12 +25,12 @@ def _set(repo: Path, section: str, **values: object) -> None:
 
 
 def _ran(output: str) -> set[str]:
-    return {s for s in ("generate", "train", "evaluate", "export") if f"Running stage '{s}'" in output}
+    return {s for s in ("validate", "generate", "train", "evaluate", "export") if f"Running stage '{s}'" in output}
 
 
 def test_dvc_repro_builds_everything_then_only_what_changed(repo_copy: Path) -> None:
     first = run(["dvc", "repro"], repo_copy)
-    assert _ran(first.stdout) == {"generate", "train", "evaluate", "export"}
+    assert _ran(first.stdout) == {"validate", "generate", "train", "evaluate", "export"}
     metrics = json.loads((repo_copy / "reports/metrics.json").read_text())
     assert metrics["f1_macro"] > 0.8 and metrics["accuracy"] > 0.8
     report = json.loads((repo_copy / "reports/export.json").read_text())
@@ -43,7 +44,7 @@ def test_dvc_repro_builds_everything_then_only_what_changed(repo_copy: Path) -> 
 
     _set(repo_copy, "train", lr=0.02)
     changed = run(["dvc", "repro"], repo_copy)
-    assert _ran(changed.stdout) == {"train", "evaluate", "export"}
+    assert _ran(changed.stdout) == {"validate", "train", "evaluate", "export"}
 
     shown = run(["dvc", "metrics", "show"], repo_copy).stdout
     for key in ("precision_macro", "recall_macro", "f1_macro", "accuracy"):
@@ -109,3 +110,75 @@ def test_killed_train_resumes_from_checkpoint_and_matches_uninterrupted(repo_cop
     got = torch.load(repo_copy / "models/model.pt", weights_only=True)["state_dict"]
     assert all(torch.equal(expected[k], got[k]) for k in expected)
     assert not checkpoint.exists()  # removed once training completed
+
+
+def _md5s(repo: Path, *files: str) -> dict[str, str]:
+    return {f: hashlib.md5((repo / f).read_bytes()).hexdigest() for f in files}
+
+
+def _changes(repo: Path) -> set[str]:
+    """What `dvc status` says changed, as 'stage: kind' (e.g. 'train: changed params')."""
+    status = json.loads(run(["dvc", "status", "--json"], repo).stdout)
+    return {f"{stage}: {kind}" for stage, entries in status.items() for e in entries for kind in e}
+
+
+TRAIN_OUTPUTS = ("models/model.pt", "reports/history.csv", "reports/train.json", "reports/train_summary.json")
+
+
+def test_bad_params_under_dvc_repro_stop_before_any_output_is_removed(repo_copy: Path) -> None:
+    run(["dvc", "repro"], repo_copy)
+    outputs = (*TRAIN_OUTPUTS, "reports/metrics.json", "reports/sweep/summary.csv", "reports/sweep/sweep.json")
+    before = _md5s(repo_copy, *outputs)
+
+    _set(repo_copy, "train", lr=-0.01)
+    proc = run(["dvc", "repro"], repo_copy, check=False)
+    assert proc.returncode != 0
+    assert "batchlab: error: train.lr: Input should be greater than 0, got -0.01" in proc.stderr + proc.stdout
+    assert _md5s(repo_copy, *outputs) == before
+    assert _changes(repo_copy) == {"validate: changed params", "train: changed params", "sweep: changed params"}
+
+    _set(repo_copy, "train", lr=0.01)
+    _set(repo_copy, "sweep", batch_sizes=[16, 4096])
+    proc = run(["dvc", "repro"], repo_copy, check=False)
+    assert proc.returncode != 0 and "sweep.batch_sizes [4096] are larger than the train split (420 rows)" in (
+        proc.stderr + proc.stdout
+    )
+    assert _md5s(repo_copy, *outputs) == before
+    assert _changes(repo_copy) == {"validate: changed params", "sweep: changed params"}
+
+
+def test_run_cache_restores_train_when_params_come_back(repo_copy: Path) -> None:
+    run(["dvc", "repro", "train"], repo_copy)
+    first = _md5s(repo_copy, *TRAIN_OUTPUTS)
+    _set(repo_copy, "train", lr=0.02)
+    assert "train" in _ran(run(["dvc", "repro", "train"], repo_copy).stdout)
+    _set(repo_copy, "train", lr=0.01)  # TINY's value: the first run's
+    again = run(["dvc", "repro", "train"], repo_copy)
+    assert "Stage 'train' is cached - skipping run" in again.stdout, again.stdout
+    assert _md5s(repo_copy, *TRAIN_OUTPUTS) == first
+
+
+def test_editing_the_csv_source_reruns_generate(repo_copy: Path) -> None:
+    rows = ["a,b,target"] + [f"{i % 7},{(i * 3) % 11},{i % 2}" for i in range(120)]
+    csv = repo_copy / "data/raw/table.csv"
+    csv.write_text("\n".join(rows) + "\n")
+    _set(repo_copy, "data", source="csv", csv_path="data/raw/table.csv")
+    _set(repo_copy, "sweep", batch_sizes=[16])
+    run(["dvc", "repro", "generate"], repo_copy)
+    hash_before = json.loads((repo_copy / "data/prepared/dataset.json").read_text())["content_hash"]
+    assert not {c for c in _changes(repo_copy) if c.startswith(("validate", "generate"))}
+
+    csv.write_text("\n".join([*rows[:-1], "6,10,0"]) + "\n")  # one value edited
+    assert "generate: changed deps" in _changes(repo_copy)
+    assert "generate" in _ran(run(["dvc", "repro", "generate"], repo_copy).stdout)
+    assert json.loads((repo_copy / "data/prepared/dataset.json").read_text())["content_hash"] != hash_before
+
+    outside = repo_copy / "table.csv"
+    outside.write_text(csv.read_text())
+    _set(repo_copy, "data", csv_path="table.csv")
+    proc = run(["batchlab", "validate"], repo_copy, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "batchlab: error: data.csv_path must be a file under data/raw/ (generate's DVC dependency), "
+        "got 'table.csv'; move it there, e.g. data/raw/table.csv"
+    )

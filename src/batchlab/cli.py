@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from batchlab import launch, stages, tracking
+from batchlab import launch, tracking
 from batchlab.config import ConfigError, load_config
 from batchlab.data import DataError
 
@@ -22,6 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--params", type=Path, default=Path("params.yaml"), help="params file (default params.yaml)")
     parser.add_argument("--out", type=Path, default=None, help="write models/ and reports/ under this folder")
     sub = parser.add_subparsers(dest="stage", required=True)
+    sub.add_parser("validate", help="check params.yaml before any stage removes its outputs (dvc.yaml's first stage)")
     sub.add_parser("generate", help="build the train/val/test split under data/prepared")
     sub.add_parser("train", help="train the model (DDP launches itself through torchrun)")
     sub.add_parser("evaluate", help="test-split metrics, confusion matrix, model registration")
@@ -37,6 +38,13 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 def run(argv: list[str]) -> None:
     args = _parser().parse_args(argv)
     cfg = load_config(args.params)
+    if args.stage == "validate":  # runs on every params change: no torch, no mlflow
+        from batchlab.validate import validate
+
+        validate(cfg)
+        return
+    from batchlab import stages
+
     paths = stages.Paths(out=args.out)
     if args.stage == "generate":
         stages.generate(cfg, paths)
