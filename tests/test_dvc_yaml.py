@@ -65,3 +65,33 @@ def test_generate_depends_on_the_csv_folder_and_validate_guards_every_stage() ->
     for name, stage in stages.items():
         if name != "validate":
             assert ".batchlab/params.ok" in stage["deps"], name  # type: ignore[operator]
+
+
+def test_committed_dvc_lock_is_current_with_the_code_and_params(tmp_path: Path) -> None:
+    """A fresh clone's `dvc status` may only miss outputs (they live in DVC's cache, not Git);
+    a changed code file, param or command means dvc.lock and reports/ were not regenerated."""
+    files = run(["git", "ls-files"], REPO).stdout.split()
+    for rel in files:
+        if (REPO / rel).is_file():
+            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / rel).write_bytes((REPO / rel).read_bytes())
+    run(["git", "init", "-q"], tmp_path)
+    status = json.loads(run(["dvc", "status", "--json"], tmp_path).stdout)
+    outputs = {
+        next(iter(o)) if isinstance(o, dict) else o
+        for stage in _stages().values()
+        for key in ("outs", "metrics")
+        for o in stage.get(key, [])  # type: ignore[attr-defined]
+    }
+    stale = set()
+    for stage, entries in status.items():
+        for entry in entries:  # {"changed deps": {path: state}}, {"changed outs": ...} or "changed command"
+            changes = entry.items() if isinstance(entry, dict) else [(entry, {})]
+            stale |= {
+                f"{stage}: {kind} {path} ({state})"
+                for kind, paths in changes
+                for path, state in paths.items()
+                if not (path in outputs and state in ("deleted", "not in cache"))
+            }
+            stale |= {f"{stage}: {kind}" for kind, paths in changes if not paths}
+    assert not stale, f"dvc.lock is stale: run `make run` and commit dvc.lock and reports/ — {sorted(stale)}"

@@ -1,0 +1,80 @@
+"""The README's promise: every command it shows works exactly as written after `make run`.
+
+The commands are parsed from README.md, so the test and the README cannot drift apart: a new
+command is run here, or listed in NOT_RUN with the test that covers it instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, env_with_venv
+
+pytestmark = pytest.mark.slow
+
+# prefix of a README command -> why this test does not run it, and what covers it instead
+NOT_RUN = {
+    "make run": "this test's first step runs what it runs (`.venv/bin/dvc repro`) in a copy of the repo",
+    "make test": "CI runs it",
+    "make ui": "serves until stopped",
+    "make serve": "serves until stopped; tests/test_schedule.py serves the deployments",
+    "createdb": "needs PostgreSQL: tests/test_tracking.py::test_pipeline_logs_to_an_mlflow_server_on_postgresql",
+    ".venv/bin/mlflow server": "serves until stopped: tests/test_tracking.py starts one on PostgreSQL",
+    "export MLFLOW_TRACKING_URI": "tests/test_tracking.py::test_pipeline_logs_to_an_mlflow_server_on_postgresql",
+    "PREFECT_SERVER_ANALYTICS_ENABLED=false .venv/bin/prefect server start": "serves until stopped",
+    "PREFECT_API_DATABASE_CONNECTION_URL=": "serves until stopped",
+    "PREFECT_API_URL=": "serves until stopped; tests/test_schedule.py",
+    ".venv/bin/dvc exp run -S train.strategy=ddp -S train.nnodes=2": "two machines: test_ddp.py two launchers",
+    ".venv/bin/batchlab --params params-node1.yaml": "two machines: tests/test_ddp.py two launchers",
+    "python3 -m venv": "GPU set-up (CUDA wheels come from the network)",
+    ".venv/bin/pip install --index-url": "GPU set-up (CUDA wheels come from the network)",
+    "docker": "no Docker engine on this machine",
+}
+
+
+def readme_commands(text: str) -> list[str]:
+    """Every command line of the README's ```bash blocks, comments dropped, `\\` lines joined."""
+    commands: list[str] = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = re.sub(r"\s+#.*$", "", line).strip()
+            if command and not command.startswith("#"):
+                commands.append(" ".join(command.split()))
+    return commands
+
+
+def _runnable() -> list[str]:
+    return [c for c in readme_commands((REPO / "README.md").read_text()) if not c.startswith(tuple(NOT_RUN))]
+
+
+def test_readme_commands_are_parsed_and_each_one_is_run_or_accounted_for() -> None:
+    runnable = _runnable()
+    assert ".venv/bin/dvc metrics show" in runnable and len(runnable) >= 6, runnable
+
+
+def _plain_shell_env() -> dict[str, str]:
+    """A user's shell: the venv is NOT on PATH and Prefect's analytics are at their default."""
+    env = env_with_venv()
+    venv_bin = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != venv_bin)
+    for key in ("PREFECT_SERVER_ANALYTICS_ENABLED", "VIRTUAL_ENV", "PREFECT_API_URL", "PREFECT_HOME"):
+        env.pop(key, None)
+    return env
+
+
+def test_every_readme_command_works_as_written_after_make_run(repo_copy: Path, tmp_path: Path) -> None:
+    (repo_copy / ".venv").symlink_to(sys.prefix)  # what `make run` creates
+    env = {**_plain_shell_env(), "HOME": str(tmp_path / "home")}  # a fresh ~/.prefect
+    for command in [".venv/bin/dvc repro", ".venv/bin/dvc status", *_runnable(), ".venv/bin/dvc status"]:
+        proc = subprocess.run(["bash", "-c", command], cwd=repo_copy, env=env, capture_output=True, text=True)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"`{command}` exited {proc.returncode}:\n{output[-4000:]}"
+        assert "Traceback" not in output, f"`{command}` printed a traceback:\n{output[-4000:]}"
+        if command == ".venv/bin/dvc status":  # after `make run` and after every README command
+            assert "Data and pipelines are up to date" in output, output
