@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from mlflow import MlflowClient
 
 from tests.conftest import env_with_venv, run, wait_until
 
@@ -182,3 +183,30 @@ def test_editing_the_csv_source_reruns_generate(repo_copy: Path) -> None:
         "batchlab: error: data.csv_path must be a file under data/raw/ (generate's DVC dependency), "
         "got 'table.csv'; move it there, e.g. data/raw/table.csv"
     )
+
+
+def test_ctrl_c_exits_130_keeps_the_checkpoint_and_ends_the_run_killed(repo_copy: Path) -> None:
+    _set(repo_copy, "train", epochs=400, batch_size=16)
+    _set(repo_copy, "tracking", enabled=True)
+    run(["batchlab", "generate"], repo_copy)
+    checkpoint = repo_copy / ".batchlab/checkpoints/train.pt"
+    proc = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env_with_venv(), stderr=subprocess.PIPE)
+    wait_until(lambda: torch.load(checkpoint, weights_only=True)["state"]["epoch"] >= 2, "epoch 2", process=proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.decode().strip().endswith("batchlab: interrupted")
+    assert checkpoint.exists() and not (repo_copy / "models/model.pt").exists()
+    client = MlflowClient(f"sqlite:///{repo_copy / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("batchlab").experiment_id])
+    assert [r.info.status for r in runs] == ["KILLED"]
+
+
+def test_a_second_dvc_repro_at_once_is_refused_and_the_first_completes(repo_copy: Path) -> None:
+    first = subprocess.Popen(["dvc", "repro", "train"], cwd=repo_copy, env=env_with_venv(), stdout=subprocess.PIPE)
+    # validate's stamp: the first repro is past its first stage, holding DVC's repo lock until train ends
+    wait_until(lambda: (repo_copy / ".batchlab/params.ok").exists(), "the first repro's validate", process=first)
+    second = run(["dvc", "repro", "train"], repo_copy, check=False)
+    assert second.returncode != 0 and "Unable to acquire lock" in second.stderr + second.stdout
+    out, _ = first.communicate(timeout=600)
+    assert first.returncode == 0 and "train" in _ran(out.decode())
+    assert "Data and pipelines are up to date" in run(["dvc", "status"], repo_copy).stdout
