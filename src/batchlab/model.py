@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,7 +35,18 @@ def save_model(path: str | Path, model: nn.Module, cfg: ModelConfig, n_features:
         "n_features": n_features,
         "class_names": list(class_names),
     }
-    atomic.write_with(path, lambda tmp: torch.save(payload, tmp))
+    save_torch(path, payload)
+
+
+def save_torch(path: str | Path, payload: Any) -> None:
+    """torch.save through a buffer, written atomically: the same payload always gives the same bytes.
+
+    torch.save(obj, path) stores the file's name in the zip, and an atomic write saves to a random
+    temporary name, so saving to the path would change the bytes (and DVC's hash) on every run.
+    """
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    atomic.write_with(path, lambda tmp: tmp.write_bytes(buffer.getvalue()))
 
 
 def load_model(path: str | Path) -> tuple[nn.Sequential, list[str]]:

@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchlab import atomic
 from batchlab.config import Config, TrainConfig
 from batchlab.data import Dataset, Split
-from batchlab.model import build_model
+from batchlab.model import build_model, save_torch
 from batchlab.strategy import Strategy
 from batchlab.tracking import NullTracker, Tracker
 
@@ -250,17 +249,13 @@ def fit(
                     "best_model": best_weights,
                     "state": state.__dict__,
                 }
-                save_checkpoint(checkpoint, payload)
+                save_torch(checkpoint, payload)
             _report(bar, row, tc.epochs)
     if bar is not None:
         bar.close()
     model.load_state_dict(best_weights)
     model.eval()
     return TrainResult(model=model, history=state.history, best_epoch=state.best_epoch, stopped_early=stopped_early)
-
-
-def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
-    atomic.write_with(path, lambda tmp: torch.save(payload, tmp))
 
 
 def _report(bar: Any, row: dict[str, float], epochs: int) -> None:
