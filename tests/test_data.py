@@ -72,6 +72,8 @@ def test_csv_with_string_labels_trains_like_any_source(tmp_path: Path) -> None:
     [
         (lambda f: f.rename(columns={"label": "y"}), "data.target column 'label' is not in rows.csv; columns are"),
         (lambda f: f.assign(a=[np.nan, *list(f.a[1:])]), "missing values (NaN) in columns ['a']"),
+        (lambda f: f.assign(b=[np.inf, *list(f.b[1:])]), "infinite values (inf) in columns ['b']"),
+        (lambda f: f.assign(a=[-np.inf, *list(f.a[1:])], b=[np.inf, *list(f.b[1:])]), "in columns ['a', 'b']"),
         (lambda f: f.assign(b="text"), "feature columns must be numeric; not numeric: ['b']"),
         (lambda f: f.assign(label="yes"), "target 'label' has a single class ('yes')"),
     ],
@@ -80,6 +82,12 @@ def test_bad_csv_is_rejected_with_a_clear_error(tmp_path: Path, mutate: object, 
     with pytest.raises(DataError) as err:
         data.build(_csv(tmp_path, mutate(_frame())))  # type: ignore[operator]
     assert message in str(err.value)
+
+
+def test_values_that_overflow_when_scaled_are_rejected_not_saved_as_nan(tmp_path: Path) -> None:
+    frame = _frame().assign(b=1.5e308)  # finite, but the mean (a sum first) overflows float64
+    with pytest.raises(DataError, match=r"rows.csv: scaling gave non-finite values in columns \['b'\]"):
+        data.build(_csv(tmp_path, frame))
 
 
 def test_missing_csv_and_missing_prepared_folder(tmp_path: Path) -> None:

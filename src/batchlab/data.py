@@ -105,12 +105,16 @@ def _read_csv(path: Path, target: str) -> tuple[np.ndarray, np.ndarray, list[str
     nan_cols = frame.columns[frame.isna().any()].tolist()
     if nan_cols:
         raise DataError(f"{path.name}: missing values (NaN) in columns {nan_cols}; fill or drop them first")
+    x = features.to_numpy(dtype=np.float64)
+    inf_cols = features.columns[np.isinf(x).any(axis=0)].tolist()
+    if inf_cols:
+        raise DataError(f"{path.name}: infinite values (inf) in columns {inf_cols}; replace or drop them first")
     classes = sorted(frame[target].unique().tolist(), key=str)
     if len(classes) < 2:
         raise DataError(f"{path.name}: target {target!r} has a single class ({classes[0]!r}); need at least 2")
     index = {c: i for i, c in enumerate(classes)}
     y = frame[target].map(index).to_numpy()
-    return features.to_numpy(dtype=np.float64), y, [str(c) for c in features.columns], [str(c) for c in classes]
+    return x, y, [str(c) for c in features.columns], [str(c) for c in classes]
 
 
 def build(cfg: DataConfig) -> tuple[Dataset, dict[str, list[float]]]:
@@ -129,21 +133,32 @@ def build(cfg: DataConfig) -> tuple[Dataset, dict[str, list[float]]]:
     x_train, x_val, y_train, y_val = train_test_split(
         x_rest, y_rest, test_size=val_share, stratify=y_rest, random_state=cfg.seed
     )
-    mean = x_train.mean(axis=0)
-    std = x_train.std(axis=0)
-    std[std == 0] = 1.0  # constant columns stay constant instead of dividing by zero
-
-    def scaled(a: np.ndarray) -> np.ndarray:
-        return ((a - mean) / std).astype(np.float32)
-
+    # huge finite values overflow here (the mean sums first): checked below instead of warned about
+    with np.errstate(over="ignore", invalid="ignore"):
+        mean = x_train.mean(axis=0)
+        std = x_train.std(axis=0)
+        std[std == 0] = 1.0  # constant columns stay constant instead of dividing by zero
+        train, val, test = (((a - mean) / std).astype(np.float32) for a in (x_train, x_val, x_test))
+    bad = ~np.isfinite(np.concatenate([train, val, test])).all(axis=0)
+    if bad.any():
+        columns = [name for name, b in zip(feature_names, bad, strict=True) if b]
+        raise DataError(
+            f"{_source_name(cfg)}: scaling gave non-finite values in columns {columns} "
+            "(values too large for float64/float32?); rescale those columns first"
+        )
     dataset = Dataset(
-        train=Split(scaled(x_train), y_train),
-        val=Split(scaled(x_val), y_val),
-        test=Split(scaled(x_test), y_test),
+        train=Split(train, y_train),
+        val=Split(val, y_val),
+        test=Split(test, y_test),
         feature_names=feature_names,
         class_names=class_names,
     )
     return dataset, {"mean": mean.tolist(), "std": std.tolist()}
+
+
+def _source_name(cfg: DataConfig) -> str:
+    """What to name in an error about the rows: the CSV's file name, or the source."""
+    return Path(cfg.csv_path or "").name if cfg.source == "csv" else f"data.source {cfg.source}"
 
 
 def save(dataset: Dataset, scaler: dict[str, list[float]], folder: str | Path, inputs_key: str = "") -> dict[str, Any]:
