@@ -3,12 +3,15 @@ from __future__ import annotations
 import math
 import zipfile
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from batchlab.data import Dataset
+from batchlab import train
+from batchlab.data import Dataset, Split
 from batchlab.strategy import Strategy
 from batchlab.train import NonFiniteError, fit, make_optimizer, make_schedule
 from tests.conftest import tiny_config
@@ -121,20 +124,55 @@ def test_batch_larger_than_train_split_is_rejected(tiny_dataset: Dataset) -> Non
 
 
 def test_non_finite_gradients_stop_the_run_instead_of_training_on_nan(tiny_dataset: Dataset) -> None:
-    import numpy as np
-
-    from batchlab.data import Split
-
-    poisoned = Dataset(
-        train=Split(np.full_like(tiny_dataset.train.x, np.nan), tiny_dataset.train.y),
-        val=tiny_dataset.val,
-        test=tiny_dataset.test,
-        feature_names=tiny_dataset.feature_names,
-        class_names=tiny_dataset.class_names,
-    )
     cfg = tiny_config(train={"max_nonfinite_steps": 3})
     with pytest.raises(NonFiniteError, match="consecutive steps had non-finite gradients"):
-        fit(cfg, poisoned, CPU)
+        fit(cfg, _poisoned(tiny_dataset, "train"), CPU)
+
+
+def _poisoned(dataset: Dataset, split: str) -> Dataset:
+    """`dataset` with every feature of one split replaced by NaN."""
+    bad = getattr(dataset, split)
+    return replace(dataset, **{split: Split(np.full_like(bad.x, np.nan), bad.y)})
+
+
+def test_non_finite_steps_are_counted_across_epochs(tiny_dataset: Dataset) -> None:
+    # 13 steps per epoch, all non-finite: the limit of 20 is reached in epoch 2, not never
+    cfg = tiny_config(train={"max_nonfinite_steps": 20})
+    with pytest.raises(NonFiniteError, match=r"26 consecutive steps .* by epoch 2 .*the train inputs contain NaN"):
+        fit(cfg, _poisoned(tiny_dataset, "train"), CPU)
+
+
+def test_resumed_run_keeps_counting_non_finite_steps(
+    tiny_dataset: Dataset, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg, data = tiny_config(train={"max_nonfinite_steps": 20}), _poisoned(tiny_dataset, "train")
+    checkpoint = tmp_path / "ckpt.pt"
+    epoch_stats, calls = train._epoch_stats, []
+
+    def interrupt_in_epoch_2(*args: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:  # Ctrl-C in epoch 2, after epoch 1's checkpoint
+            raise KeyboardInterrupt
+        return epoch_stats(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(train, "_epoch_stats", interrupt_in_epoch_2)
+    with pytest.raises(KeyboardInterrupt):
+        fit(cfg, data, CPU, checkpoint=checkpoint)
+    monkeypatch.undo()
+    with pytest.raises(NonFiniteError, match=r"26 consecutive steps .* by epoch 2 "):  # as uninterrupted
+        fit(cfg, data, CPU, checkpoint=checkpoint)
+
+
+def test_val_loss_never_finite_fails_and_blames_the_data(tiny_dataset: Dataset) -> None:
+    with pytest.raises(NonFiniteError, match=r"validation loss was never finite .*the val inputs contain NaN"):
+        fit(tiny_config(), _poisoned(tiny_dataset, "val"), CPU)
+
+
+def test_val_loss_never_finite_from_divergence_says_lower_the_lr(tiny_dataset: Dataset) -> None:
+    cfg = tiny_config(train={"optimizer": "sgd", "lr": 1e6, "schedule": "constant", "max_nonfinite_steps": 10_000})
+    with pytest.raises(NonFiniteError, match=r"validation loss was never finite .*lower train.lr") as err:
+        fit(cfg, tiny_dataset, CPU)
+    assert "inputs contain" not in str(err.value)
 
 
 def test_resume_from_the_stopping_epoch_stops_again(tiny_dataset: Dataset, tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 class NonFiniteError(RuntimeError):
-    """Gradients stayed NaN/inf for too many consecutive steps."""
+    """Gradients stayed NaN/inf for too many consecutive steps, or the val loss was never finite."""
 
 
 @dataclass
@@ -36,6 +37,8 @@ class TrainState:
     best_val_loss: float = math.inf
     best_epoch: int = -1
     bad_epochs: int = 0
+    # non-finite steps in a row at the end of the last epoch: the guard counts across epochs
+    nonfinite_run: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -103,15 +106,21 @@ class EpochStats:
     norm_var: float
     nonfinite: int
     worst_nonfinite_run: int
+    last_nonfinite_run: int
 
 
-def _epoch_stats(losses: list[torch.Tensor], norms: list[torch.Tensor], strategy: Strategy) -> EpochStats:
-    """Mean train loss over ranks, and the gradient norm's mean/variance over the finite steps."""
+def _epoch_stats(
+    losses: list[torch.Tensor], norms: list[torch.Tensor], strategy: Strategy, run_before: int
+) -> EpochStats:
+    """Mean train loss over ranks, and the gradient norm's mean/variance over the finite steps.
+
+    Runs of non-finite steps continue the `run_before` steps that ended the previous epoch.
+    """
     train_loss = strategy.mean_across_ranks(torch.stack(losses).float().mean()).item()
     norm = torch.stack(norms).float().cpu()
     finite = torch.isfinite(norm)
     ok = norm[finite]
-    worst = run = 0
+    worst = run = run_before
     for bad in (~finite).tolist():
         run = run + 1 if bad else 0
         worst = max(worst, run)
@@ -121,7 +130,16 @@ def _epoch_stats(losses: list[torch.Tensor], norms: list[torch.Tensor], strategy
         norm_var=ok.var(unbiased=False).item() if ok.numel() else 0.0,
         nonfinite=int((~finite).sum()),
         worst_nonfinite_run=worst,
+        last_nonfinite_run=run,
     )
+
+
+def _likely_cause(dataset: Dataset, precision: str) -> str:
+    """Why training went non-finite: bad inputs if any, otherwise the optimisation."""
+    bad = [name for name in ("train", "val") if not np.isfinite(getattr(dataset, name).x).all()]
+    if bad:
+        return f"the {'/'.join(bad)} inputs contain NaN/inf values: fix the data, then `batchlab generate`"
+    return "lower train.lr or use train.precision fp32/bf16" if precision == "fp16" else "lower train.lr"
 
 
 def _progress(total: int, start: int, enabled: bool) -> Any:
@@ -207,12 +225,12 @@ def fit(
             if schedule is not None:
                 schedule.step()
         # one host sync per epoch: the step's figures stay on the device until here
-        stats = _epoch_stats(losses, norms, strategy)
+        stats = _epoch_stats(losses, norms, strategy, state.nonfinite_run)
         seconds = time.perf_counter() - started
         if stats.worst_nonfinite_run >= tc.max_nonfinite_steps:
             raise NonFiniteError(
-                f"{stats.worst_nonfinite_run} consecutive steps had non-finite gradients in epoch {epoch + 1} "
-                f"(limit train.max_nonfinite_steps={tc.max_nonfinite_steps}); lower train.lr or use fp32/bf16"
+                f"{stats.worst_nonfinite_run} consecutive steps had non-finite gradients by epoch {epoch + 1} "
+                f"(limit train.max_nonfinite_steps={tc.max_nonfinite_steps}); {_likely_cause(dataset, tc.precision)}"
             )
         val_logits = predict_logits(model, x_val, strategy)
         val_loss = F.cross_entropy(val_logits, y_val).item()
@@ -232,6 +250,7 @@ def fit(
         }
         state.history.append(row)
         state.epoch = epoch + 1
+        state.nonfinite_run = stats.last_nonfinite_run
         if val_loss < state.best_val_loss - 1e-6:
             state.best_val_loss, state.best_epoch, state.bad_epochs = val_loss, epoch + 1, 0
             best_weights = copy.deepcopy(model.state_dict())
@@ -253,6 +272,10 @@ def fit(
             _report(bar, row, tc.epochs)
     if bar is not None:
         bar.close()
+    if state.best_epoch < 0:  # the weights were never better than "no model": nothing to return
+        raise NonFiniteError(
+            f"validation loss was never finite in {state.epoch} epochs; {_likely_cause(dataset, tc.precision)}"
+        )
     model.load_state_dict(best_weights)
     model.eval()
     return TrainResult(model=model, history=state.history, best_epoch=state.best_epoch, stopped_early=stopped_early)
