@@ -12,6 +12,7 @@ import torch
 
 from batchlab import train
 from batchlab.data import Dataset, Split
+from batchlab.model import save_torch
 from batchlab.strategy import Strategy
 from batchlab.train import NonFiniteError, fit, make_optimizer, make_schedule
 from tests.conftest import tiny_config
@@ -108,6 +109,35 @@ def test_checkpoint_does_not_store_its_temporary_file_name(tiny_dataset: Dataset
         fit(tiny_config(), tiny_dataset, CPU, tracker=StopAfter(1), checkpoint=checkpoint)  # type: ignore[arg-type]
     with zipfile.ZipFile(checkpoint) as archive:
         assert {name.split("/")[0] for name in archive.namelist()} == {"archive"}
+
+
+def _damage(checkpoint: Path, how: str) -> None:
+    if how == "wrong contents":  # loads, but only part of it fits: the model would be half-restored
+        saved = torch.load(checkpoint, weights_only=True)
+        save_torch(checkpoint, {**saved, "optimizer": {"not": "an optimizer"}})
+        return
+    whole = checkpoint.read_bytes()
+    checkpoint.write_bytes({"garbage": b"not a checkpoint", "empty": b"", "truncated": whole[: len(whole) // 2]}[how])
+
+
+@pytest.mark.parametrize("how", ["garbage", "empty", "truncated", "wrong contents"])
+def test_damaged_checkpoint_is_set_aside_and_training_starts_fresh(
+    tiny_dataset: Dataset, tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    cfg = tiny_config(model={"dropout": 0.2})
+    expected = fit(cfg, tiny_dataset, CPU)
+    checkpoint = tmp_path / "ckpt.pt"
+    with pytest.raises(KeyboardInterrupt):
+        fit(cfg, tiny_dataset, CPU, tracker=StopAfter(2), checkpoint=checkpoint)  # type: ignore[arg-type]
+    _damage(checkpoint, how)
+    damaged = checkpoint.read_bytes()
+    result = fit(cfg, tiny_dataset, CPU, checkpoint=checkpoint)
+    assert [r["epoch"] for r in result.history] == [1, 2, 3, 4]
+    want, got = _weights(expected.model), _weights(result.model)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert (tmp_path / "ckpt.pt.damaged").read_bytes() == damaged  # kept for a look, out of the way
+    assert f"checkpoint {checkpoint} is damaged" in caplog.text
+    assert torch.load(checkpoint, weights_only=True)["state"]["epoch"] == 4  # a good one again
 
 
 def test_checkpoint_of_other_params_is_ignored(tiny_dataset: Dataset, tmp_path: Path) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -166,30 +168,32 @@ def fit(
     """Train the model of `cfg` on `dataset`; resume from `checkpoint` when it matches the config."""
     tc = cfg.train
     tracker = tracker or NullTracker()
-    model = initial_model(cfg, dataset.n_features, dataset.n_classes)
-    model.to(strategy.device)
-    optimizer = make_optimizer(tc, model.parameters())
     n_train = dataset.train.y.shape[0]
     steps = steps_per_epoch(n_train, tc.batch_size)
     if steps == 0:
         raise ValueError(f"train.batch_size ({tc.batch_size}) is larger than the train split ({n_train} rows)")
-    schedule = make_schedule(tc, optimizer, steps)
+
+    def start() -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR | None]:
+        model = initial_model(cfg, dataset.n_features, dataset.n_classes).to(strategy.device)
+        optimizer = make_optimizer(tc, model.parameters())
+        return model, optimizer, make_schedule(tc, optimizer, steps)
+
+    model, optimizer, schedule = start()
     state = TrainState()
     best_weights = copy.deepcopy(model.state_dict())
     print_fp = fingerprint(cfg, dataset)
-    if checkpoint is not None and checkpoint.is_file():
-        saved = torch.load(checkpoint, map_location=strategy.device, weights_only=True)
-        if saved.get("fingerprint") == print_fp:
-            model.load_state_dict(saved["model"])
-            optimizer.load_state_dict(saved["optimizer"])
-            if schedule is not None:
-                schedule.load_state_dict(saved["schedule"])
-            strategy.scaler.load_state_dict(saved["scaler"])
-            best_weights = saved["best_model"]
-            state = TrainState(**saved["state"])
+    saved = None if checkpoint is None else _read_checkpoint(checkpoint, strategy)
+    if saved is not None and saved.get("fingerprint") != print_fp:
+        log.info("ignoring %s: it was written for other params or data", checkpoint)
+    elif saved is not None and checkpoint is not None:
+        fresh_scaler = strategy.scaler.state_dict()
+        try:
+            state, best_weights = _restore(saved, model, optimizer, schedule, strategy.scaler)
             log.info("resuming from %s at epoch %d", checkpoint, state.epoch)
-        else:
-            log.info("ignoring %s: it was written for other params or data", checkpoint)
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:  # loaded, but not what fit writes
+            _set_aside(checkpoint, err, strategy)
+            model, optimizer, schedule = start()  # some of the checkpoint may have been loaded already
+            strategy.scaler.load_state_dict(fresh_scaler)
 
     net = strategy.wrap(model)
     strategy.prepare(model)
@@ -279,6 +283,52 @@ def fit(
     model.load_state_dict(best_weights)
     model.eval()
     return TrainResult(model=model, history=state.history, best_epoch=state.best_epoch, stopped_early=stopped_early)
+
+
+def _read_checkpoint(path: Path, strategy: Strategy) -> dict[str, Any] | None:
+    """The checkpoint's contents; None when there is none, or it is damaged (then it is set aside)."""
+    if not path.is_file():
+        return None
+    try:
+        saved = torch.load(path, map_location=strategy.device, weights_only=True)
+    # torch.load raises EOFError, UnpicklingError, RuntimeError... on a truncated or foreign file;
+    # whatever it is, a checkpoint only saves time: start from scratch rather than fail every rerun
+    except Exception as err:
+        _set_aside(path, err, strategy)
+        return None
+    if not isinstance(saved, dict):
+        _set_aside(path, TypeError(f"holds a {type(saved).__name__}"), strategy)
+        return None
+    return saved
+
+
+def _restore(
+    saved: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LambdaLR | None,
+    scaler: torch.amp.GradScaler,
+) -> tuple[TrainState, dict[str, Any]]:
+    """Load a checkpoint of this config into the fresh objects; the state and best weights it holds."""
+    model.load_state_dict(saved["best_model"])  # checks the best weights fit too; overwritten next
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    if schedule is not None:
+        schedule.load_state_dict(saved["schedule"])
+    state = TrainState(**saved["state"])
+    scaler.load_state_dict(saved["scaler"])
+    return state, saved["best_model"]
+
+
+def _set_aside(path: Path, err: BaseException, strategy: Strategy) -> None:
+    """Move a damaged checkpoint out of the way (kept for inspection) so this and later runs start fresh."""
+    if not strategy.is_main:  # rank 0 alone writes checkpoints, and alone moves them
+        return
+    damaged = path.with_name(f"{path.name}.damaged")
+    with contextlib.suppress(OSError):
+        os.replace(path, damaged)
+    reason = type(err).__name__
+    log.warning("checkpoint %s is damaged (%s); moved it to %s, training from the start", path, reason, damaged)
 
 
 def _report(bar: Any, row: dict[str, float], epochs: int) -> None:
