@@ -36,6 +36,13 @@ def test_fit_learns_and_records_history(tiny_dataset: Dataset) -> None:
     assert last["lr"] < first["lr"]  # cosine decay
 
 
+def test_a_linear_model_without_hidden_layers_trains(tiny_dataset: Dataset) -> None:
+    result = fit(tiny_config(model={"hidden_sizes": []}, train={"epochs": 6}), tiny_dataset, CPU)
+    assert [type(m).__name__ for m in result.model] == ["Linear"]
+    assert result.history[-1]["val_loss"] < result.history[0]["val_loss"]
+    assert max(r["val_accuracy"] for r in result.history) > 0.8
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])
 def test_every_optimizer_trains(tiny_dataset: Dataset, optimizer: str) -> None:
     cfg = tiny_config(train={"optimizer": optimizer, "lr": 0.05 if optimizer == "sgd" else 0.01, "epochs": 5})
