@@ -123,11 +123,14 @@ def _damage(checkpoint: Path, how: str) -> None:
         saved = torch.load(checkpoint, weights_only=True)
         save_torch(checkpoint, {**saved, "optimizer": {"not": "an optimizer"}})
         return
+    if how == "not a dict":
+        save_torch(checkpoint, [1, 2, 3])
+        return
     whole = checkpoint.read_bytes()
     checkpoint.write_bytes({"garbage": b"not a checkpoint", "empty": b"", "truncated": whole[: len(whole) // 2]}[how])
 
 
-@pytest.mark.parametrize("how", ["garbage", "empty", "truncated", "wrong contents"])
+@pytest.mark.parametrize("how", ["garbage", "empty", "truncated", "wrong contents", "not a dict"])
 def test_damaged_checkpoint_is_set_aside_and_training_starts_fresh(
     tiny_dataset: Dataset, tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
 ) -> None:

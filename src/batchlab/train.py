@@ -191,7 +191,7 @@ def fit(
             state, best_weights = _restore(saved, model, optimizer, schedule, strategy.scaler)
             log.info("resuming from %s at epoch %d", checkpoint, state.epoch)
         except (KeyError, TypeError, ValueError, RuntimeError) as err:  # loaded, but not what fit writes
-            _set_aside(checkpoint, err, strategy)
+            _set_aside(checkpoint, type(err).__name__, strategy)
             model, optimizer, schedule = start()  # some of the checkpoint may have been loaded already
             strategy.scaler.load_state_dict(fresh_scaler)
 
@@ -294,10 +294,10 @@ def _read_checkpoint(path: Path, strategy: Strategy) -> dict[str, Any] | None:
     # torch.load raises EOFError, UnpicklingError, RuntimeError... on a truncated or foreign file;
     # whatever it is, a checkpoint only saves time: start from scratch rather than fail every rerun
     except Exception as err:
-        _set_aside(path, err, strategy)
+        _set_aside(path, type(err).__name__, strategy)
         return None
     if not isinstance(saved, dict):
-        _set_aside(path, TypeError(f"holds a {type(saved).__name__}"), strategy)
+        _set_aside(path, f"holds a {type(saved).__name__}", strategy)
         return None
     return saved
 
@@ -320,14 +320,13 @@ def _restore(
     return state, saved["best_model"]
 
 
-def _set_aside(path: Path, err: BaseException, strategy: Strategy) -> None:
+def _set_aside(path: Path, reason: str, strategy: Strategy) -> None:
     """Move a damaged checkpoint out of the way (kept for inspection) so this and later runs start fresh."""
     if not strategy.is_main:  # rank 0 alone writes checkpoints, and alone moves them
         return
     damaged = path.with_name(f"{path.name}.damaged")
     with contextlib.suppress(OSError):
         os.replace(path, damaged)
-    reason = type(err).__name__
     log.warning("checkpoint %s is damaged (%s); moved it to %s, training from the start", path, reason, damaged)
 
 
