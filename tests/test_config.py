@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -66,8 +67,31 @@ def test_missing_or_malformed_params_file(tmp_path: Path) -> None:
         load_config(bad)
 
 
+def _real_params() -> dict[str, Any]:
+    return yaml.safe_load((REPO / "params.yaml").read_text())
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ("", "params.yaml has no 'data', 'model', 'train', 'evaluate', 'export', 'tracking', 'sweep' sections"),
+        ({k: v for k, v in _real_params().items() if k != "train"}, "params.yaml has no 'train' section;"),
+        ({**_real_params(), "train": None}, "params.yaml: section 'train' must be a mapping of keys, got None"),
+    ],
+)
+def test_a_missing_section_is_an_error_not_the_defaults(tmp_path: Path, params: object, message: str) -> None:
+    path = tmp_path / "params.yaml"
+    path.write_text(params if isinstance(params, str) else yaml.safe_dump(params))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    text = str(err.value)
+    assert message in text and "\n" not in text
+    if "has no" in message:
+        assert "every section (data, model, train, evaluate, export, tracking, sweep) must be present" in text
+
+
 def test_loading_config_has_no_side_effects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(TINY))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(merge(_real_params(), TINY)))
     load_config()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]

@@ -72,6 +72,8 @@ def test_csv_with_string_labels_trains_like_any_source(tmp_path: Path) -> None:
     [
         (lambda f: f.rename(columns={"label": "y"}), "data.target column 'label' is not in rows.csv; columns are"),
         (lambda f: f.assign(a=[np.nan, *list(f.a[1:])]), "missing values (NaN) in columns ['a']"),
+        (lambda f: f.assign(b=[np.inf, *list(f.b[1:])]), "infinite values (inf) in columns ['b']"),
+        (lambda f: f.assign(a=[-np.inf, *list(f.a[1:])], b=[np.inf, *list(f.b[1:])]), "in columns ['a', 'b']"),
         (lambda f: f.assign(b="text"), "feature columns must be numeric; not numeric: ['b']"),
         (lambda f: f.assign(label="yes"), "target 'label' has a single class ('yes')"),
     ],
@@ -82,8 +84,64 @@ def test_bad_csv_is_rejected_with_a_clear_error(tmp_path: Path, mutate: object, 
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "rows.csv is empty"),
+        (b"a,b,label\n", "rows.csv has a header but no rows"),
+        ("a,b,label\n1,2,j\u00e4\n".encode("latin-1"), "rows.csv is not UTF-8 text"),
+        (b'a,b,label\n1,2,"yes\n', "rows.csv is not a valid CSV"),
+    ],
+)
+def test_unreadable_csv_is_one_line_naming_the_file(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "rows.csv"
+    path.write_bytes(content)
+    with pytest.raises(DataError) as err:
+        data.build(DataConfig(source="csv", csv_path=str(path), target="label"))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_csv_too_small_for_the_split_names_the_minimum(tmp_path: Path) -> None:
+    # 3 rows per class pass the per-class check, but 15% of 6 rows is not a test row per class
+    with pytest.raises(DataError, match=r"rows.csv: 6 rows are too few .* at least 8 rows") as err:
+        data.build(_csv(tmp_path, _frame(6)))
+    assert "data.val_fraction=0.15 and data.test_fraction=0.15" in str(err.value)
+    data.build(_csv(tmp_path, _frame(8)))  # the minimum it names is enough
+
+
+def test_values_that_overflow_when_scaled_are_rejected_not_saved_as_nan(tmp_path: Path) -> None:
+    frame = _frame().assign(b=1.5e308)  # finite, but the mean (a sum first) overflows float64
+    with pytest.raises(DataError, match=r"rows.csv: scaling gave non-finite values in columns \['b'\]"):
+        data.build(_csv(tmp_path, frame))
+
+
 def test_missing_csv_and_missing_prepared_folder(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="does not exist"):
         data.build(DataConfig(source="csv", csv_path=str(tmp_path / "nope.csv")))
     with pytest.raises(DataError, match="run `batchlab generate`"):
         data.load(tmp_path)
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    ("name", "damage"),
+    [
+        ("x_train.npy", _truncate),
+        ("y_val.npy", lambda p: p.write_bytes(b"")),
+        ("x_test.npy", Path.unlink),
+        ("dataset.json", lambda p: p.write_text("{not json")),
+        ("dataset.json", lambda p: p.write_text("[1, 2]")),
+    ],
+)
+def test_damaged_prepared_file_is_one_line_naming_it_and_the_fix(tmp_path: Path, name: str, damage: object) -> None:
+    ds, scaler = data.build(DataConfig(samples=300))
+    data.save(ds, scaler, tmp_path / "prepared")
+    damage(tmp_path / "prepared" / name)  # type: ignore[operator]
+    with pytest.raises(DataError) as err:
+        data.load(tmp_path / "prepared")
+    text = str(err.value)
+    assert str(tmp_path / "prepared" / name) in text and "\n" not in text
+    assert "run `batchlab generate` (or `dvc repro generate`, `dvc checkout data/prepared`)" in text

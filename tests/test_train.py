@@ -1,13 +1,18 @@
 from __future__ import annotations
 
 import math
+import zipfile
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from batchlab.data import Dataset
+from batchlab import train
+from batchlab.data import Dataset, Split
+from batchlab.model import save_torch
 from batchlab.strategy import Strategy
 from batchlab.train import NonFiniteError, fit, make_optimizer, make_schedule
 from tests.conftest import tiny_config
@@ -29,6 +34,13 @@ def test_fit_learns_and_records_history(tiny_dataset: Dataset) -> None:
         assert math.isfinite(last[key]) and last[key] > 0, key
     assert last["nonfinite_steps"] == 0
     assert last["lr"] < first["lr"]  # cosine decay
+
+
+def test_a_linear_model_without_hidden_layers_trains(tiny_dataset: Dataset) -> None:
+    result = fit(tiny_config(model={"hidden_sizes": []}, train={"epochs": 6}), tiny_dataset, CPU)
+    assert [type(m).__name__ for m in result.model] == ["Linear"]
+    assert result.history[-1]["val_loss"] < result.history[0]["val_loss"]
+    assert max(r["val_accuracy"] for r in result.history) > 0.8
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])
@@ -96,6 +108,48 @@ def test_resume_after_interruption_ends_with_same_model(tiny_dataset: Dataset, t
     assert resumed.history[-1]["val_loss"] == expected.history[-1]["val_loss"]
 
 
+def test_checkpoint_does_not_store_its_temporary_file_name(tiny_dataset: Dataset, tmp_path: Path) -> None:
+    # byte equality cannot be asked of a checkpoint (its history holds timings); the random
+    # temporary name inside the zip was the part that differed for identical weights
+    checkpoint = tmp_path / "ckpt.pt"
+    with pytest.raises(KeyboardInterrupt):
+        fit(tiny_config(), tiny_dataset, CPU, tracker=StopAfter(1), checkpoint=checkpoint)  # type: ignore[arg-type]
+    with zipfile.ZipFile(checkpoint) as archive:
+        assert {name.split("/")[0] for name in archive.namelist()} == {"archive"}
+
+
+def _damage(checkpoint: Path, how: str) -> None:
+    if how == "wrong contents":  # loads, but only part of it fits: the model would be half-restored
+        saved = torch.load(checkpoint, weights_only=True)
+        save_torch(checkpoint, {**saved, "optimizer": {"not": "an optimizer"}})
+        return
+    if how == "not a dict":
+        save_torch(checkpoint, [1, 2, 3])
+        return
+    whole = checkpoint.read_bytes()
+    checkpoint.write_bytes({"garbage": b"not a checkpoint", "empty": b"", "truncated": whole[: len(whole) // 2]}[how])
+
+
+@pytest.mark.parametrize("how", ["garbage", "empty", "truncated", "wrong contents", "not a dict"])
+def test_damaged_checkpoint_is_set_aside_and_training_starts_fresh(
+    tiny_dataset: Dataset, tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    cfg = tiny_config(model={"dropout": 0.2})
+    expected = fit(cfg, tiny_dataset, CPU)
+    checkpoint = tmp_path / "ckpt.pt"
+    with pytest.raises(KeyboardInterrupt):
+        fit(cfg, tiny_dataset, CPU, tracker=StopAfter(2), checkpoint=checkpoint)  # type: ignore[arg-type]
+    _damage(checkpoint, how)
+    damaged = checkpoint.read_bytes()
+    result = fit(cfg, tiny_dataset, CPU, checkpoint=checkpoint)
+    assert [r["epoch"] for r in result.history] == [1, 2, 3, 4]
+    want, got = _weights(expected.model), _weights(result.model)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert (tmp_path / "ckpt.pt.damaged").read_bytes() == damaged  # kept for a look, out of the way
+    assert f"checkpoint {checkpoint} is damaged" in caplog.text
+    assert torch.load(checkpoint, weights_only=True)["state"]["epoch"] == 4  # a good one again
+
+
 def test_checkpoint_of_other_params_is_ignored(tiny_dataset: Dataset, tmp_path: Path) -> None:
     checkpoint = tmp_path / "ckpt.pt"
     with pytest.raises(KeyboardInterrupt):
@@ -110,20 +164,55 @@ def test_batch_larger_than_train_split_is_rejected(tiny_dataset: Dataset) -> Non
 
 
 def test_non_finite_gradients_stop_the_run_instead_of_training_on_nan(tiny_dataset: Dataset) -> None:
-    import numpy as np
-
-    from batchlab.data import Split
-
-    poisoned = Dataset(
-        train=Split(np.full_like(tiny_dataset.train.x, np.nan), tiny_dataset.train.y),
-        val=tiny_dataset.val,
-        test=tiny_dataset.test,
-        feature_names=tiny_dataset.feature_names,
-        class_names=tiny_dataset.class_names,
-    )
     cfg = tiny_config(train={"max_nonfinite_steps": 3})
     with pytest.raises(NonFiniteError, match="consecutive steps had non-finite gradients"):
-        fit(cfg, poisoned, CPU)
+        fit(cfg, _poisoned(tiny_dataset, "train"), CPU)
+
+
+def _poisoned(dataset: Dataset, split: str) -> Dataset:
+    """`dataset` with every feature of one split replaced by NaN."""
+    bad = getattr(dataset, split)
+    return replace(dataset, **{split: Split(np.full_like(bad.x, np.nan), bad.y)})
+
+
+def test_non_finite_steps_are_counted_across_epochs(tiny_dataset: Dataset) -> None:
+    # 13 steps per epoch, all non-finite: the limit of 20 is reached in epoch 2, not never
+    cfg = tiny_config(train={"max_nonfinite_steps": 20})
+    with pytest.raises(NonFiniteError, match=r"26 consecutive steps .* by epoch 2 .*the train inputs contain NaN"):
+        fit(cfg, _poisoned(tiny_dataset, "train"), CPU)
+
+
+def test_resumed_run_keeps_counting_non_finite_steps(
+    tiny_dataset: Dataset, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg, data = tiny_config(train={"max_nonfinite_steps": 20}), _poisoned(tiny_dataset, "train")
+    checkpoint = tmp_path / "ckpt.pt"
+    epoch_stats, calls = train._epoch_stats, []
+
+    def interrupt_in_epoch_2(*args: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:  # Ctrl-C in epoch 2, after epoch 1's checkpoint
+            raise KeyboardInterrupt
+        return epoch_stats(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(train, "_epoch_stats", interrupt_in_epoch_2)
+    with pytest.raises(KeyboardInterrupt):
+        fit(cfg, data, CPU, checkpoint=checkpoint)
+    monkeypatch.undo()
+    with pytest.raises(NonFiniteError, match=r"26 consecutive steps .* by epoch 2 "):  # as uninterrupted
+        fit(cfg, data, CPU, checkpoint=checkpoint)
+
+
+def test_val_loss_never_finite_fails_and_blames_the_data(tiny_dataset: Dataset) -> None:
+    with pytest.raises(NonFiniteError, match=r"validation loss was never finite .*the val inputs contain NaN"):
+        fit(tiny_config(), _poisoned(tiny_dataset, "val"), CPU)
+
+
+def test_val_loss_never_finite_from_divergence_says_lower_the_lr(tiny_dataset: Dataset) -> None:
+    cfg = tiny_config(train={"optimizer": "sgd", "lr": 1e6, "schedule": "constant", "max_nonfinite_steps": 10_000})
+    with pytest.raises(NonFiniteError, match=r"validation loss was never finite .*lower train.lr") as err:
+        fit(cfg, tiny_dataset, CPU)
+    assert "inputs contain" not in str(err.value)
 
 
 def test_resume_from_the_stopping_epoch_stops_again(tiny_dataset: Dataset, tmp_path: Path) -> None:

@@ -49,7 +49,9 @@ class DataConfig(Section):
 
 
 class ModelConfig(Section):
-    hidden_sizes: list[PositiveInt] = Field([64, 64], description="width of each hidden layer")
+    hidden_sizes: list[PositiveInt] = Field(
+        [64, 64], description="width of each hidden layer; [] is a linear model (logistic regression)"
+    )
     activation: Literal["relu", "gelu", "tanh", "silu"] = Field("relu", description="hidden activation")
     dropout: Annotated[float, Field(ge=0, lt=1)] = Field(0.1, description="dropout after each hidden layer")
 
@@ -220,7 +222,24 @@ def load_config(path: str | Path = "params.yaml", overrides: dict[str, Any] | No
         raise ConfigError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must be a mapping of sections (data, model, train, ...)")
+    _check_sections(raw, path.name)
     return parse_config(apply_overrides(raw, overrides or {}))
+
+
+def _check_sections(raw: dict[str, Any], name: str) -> None:
+    """Every section must be in the file: DVC reads its params keys from it, and a section left out
+    would silently train on built-in defaults. (parse_config fills gaps: tests build partial dicts.)"""
+    sections = list(Config.model_fields)
+    missing = [s for s in sections if s not in raw]
+    if missing:
+        listed = ", ".join(repr(s) for s in missing)
+        raise ConfigError(
+            f"{name} has no {listed} section{'s' if len(missing) > 1 else ''}; every section "
+            f"({', '.join(sections)}) must be present (see params.yaml in the repo)"
+        )
+    for section in sections:
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"{name}: section {section!r} must be a mapping of keys, got {raw[section]!r}")
 
 
 def dump_config(cfg: Config) -> str:

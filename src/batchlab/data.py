@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from batchlab import atomic
 from batchlab.config import DataConfig
 
 SPLITS = ("train", "val", "test")
+REGENERATE = "run `batchlab generate` (or `dvc repro generate`, `dvc checkout data/prepared`)"
 
 
 class DataError(ValueError):
@@ -95,7 +97,16 @@ def _read_csv(path: Path, target: str) -> tuple[np.ndarray, np.ndarray, list[str
 
     if not path.is_file():
         raise DataError(f"data.csv_path {str(path)!r} does not exist")
-    frame = pd.read_csv(path)
+    try:
+        frame = pd.read_csv(path)
+    except pd.errors.EmptyDataError:
+        raise DataError(f"{path.name} is empty; it needs a header row and one row per example") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{path.name} is not UTF-8 text; save it as UTF-8 (e.g. iconv -t utf-8)") from None
+    except pd.errors.ParserError as err:
+        raise DataError(f"{path.name} is not a valid CSV: {str(err).strip().splitlines()[0]}") from None
+    if frame.empty:
+        raise DataError(f"{path.name} has a header but no rows")
     if target not in frame.columns:
         raise DataError(f"data.target column {target!r} is not in {path.name}; columns are {list(frame.columns)}")
     features = frame.drop(columns=[target])
@@ -105,12 +116,16 @@ def _read_csv(path: Path, target: str) -> tuple[np.ndarray, np.ndarray, list[str
     nan_cols = frame.columns[frame.isna().any()].tolist()
     if nan_cols:
         raise DataError(f"{path.name}: missing values (NaN) in columns {nan_cols}; fill or drop them first")
+    x = features.to_numpy(dtype=np.float64)
+    inf_cols = features.columns[np.isinf(x).any(axis=0)].tolist()
+    if inf_cols:
+        raise DataError(f"{path.name}: infinite values (inf) in columns {inf_cols}; replace or drop them first")
     classes = sorted(frame[target].unique().tolist(), key=str)
     if len(classes) < 2:
         raise DataError(f"{path.name}: target {target!r} has a single class ({classes[0]!r}); need at least 2")
     index = {c: i for i, c in enumerate(classes)}
     y = frame[target].map(index).to_numpy()
-    return features.to_numpy(dtype=np.float64), y, [str(c) for c in features.columns], [str(c) for c in classes]
+    return x, y, [str(c) for c in features.columns], [str(c) for c in classes]
 
 
 def build(cfg: DataConfig) -> tuple[Dataset, dict[str, list[float]]]:
@@ -120,30 +135,69 @@ def build(cfg: DataConfig) -> tuple[Dataset, dict[str, list[float]]]:
     x, y, feature_names, class_names = raw_table(cfg)
     y = np.asarray(y, dtype=np.int64)
     counts = np.bincount(y)
+    source = _source_name(cfg)
     if counts.min() < 3:
-        raise DataError(f"every class needs at least 3 rows to split train/val/test; counts are {counts.tolist()}")
-    x_rest, x_test, y_rest, y_test = train_test_split(
-        x, y, test_size=cfg.test_fraction, stratify=y, random_state=cfg.seed
-    )
+        raise DataError(
+            f"{source}: every class needs at least 3 rows to split train/val/test; counts are {counts.tolist()}"
+        )
     val_share = cfg.val_fraction / (1 - cfg.test_fraction)
-    x_train, x_val, y_train, y_val = train_test_split(
-        x_rest, y_rest, test_size=val_share, stratify=y_rest, random_state=cfg.seed
-    )
-    mean = x_train.mean(axis=0)
-    std = x_train.std(axis=0)
-    std[std == 0] = 1.0  # constant columns stay constant instead of dividing by zero
-
-    def scaled(a: np.ndarray) -> np.ndarray:
-        return ((a - mean) / std).astype(np.float32)
-
+    if min(split_sizes(len(y), cfg.test_fraction, val_share)) < len(counts):
+        least = min_rows(len(counts), cfg.test_fraction, val_share)
+        raise DataError(
+            f"{source}: {len(y)} rows are too few to split with data.val_fraction={cfg.val_fraction} and "
+            f"data.test_fraction={cfg.test_fraction}: each split needs a row of each of the {len(counts)} classes, "
+            f"which takes at least {least} rows; add rows or change the fractions"
+        )
+    try:
+        x_rest, x_test, y_rest, y_test = train_test_split(
+            x, y, test_size=cfg.test_fraction, stratify=y, random_state=cfg.seed
+        )
+        x_train, x_val, y_train, y_val = train_test_split(
+            x_rest, y_rest, test_size=val_share, stratify=y_rest, random_state=cfg.seed
+        )
+    except ValueError as err:  # a class too small for the stratified split: scikit-learn's words, one line
+        raise DataError(f"{source}: cannot split train/val/test: {str(err).splitlines()[0]}") from None
+    # huge finite values overflow here (the mean sums first): checked below instead of warned about
+    with np.errstate(over="ignore", invalid="ignore"):
+        mean = x_train.mean(axis=0)
+        std = x_train.std(axis=0)
+        std[std == 0] = 1.0  # constant columns stay constant instead of dividing by zero
+        train, val, test = (((a - mean) / std).astype(np.float32) for a in (x_train, x_val, x_test))
+    bad = ~np.isfinite(np.concatenate([train, val, test])).all(axis=0)
+    if bad.any():
+        columns = [name for name, b in zip(feature_names, bad, strict=True) if b]
+        raise DataError(
+            f"{_source_name(cfg)}: scaling gave non-finite values in columns {columns} "
+            "(values too large for float64/float32?); rescale those columns first"
+        )
     dataset = Dataset(
-        train=Split(scaled(x_train), y_train),
-        val=Split(scaled(x_val), y_val),
-        test=Split(scaled(x_test), y_test),
+        train=Split(train, y_train),
+        val=Split(val, y_val),
+        test=Split(test, y_test),
         feature_names=feature_names,
         class_names=class_names,
     )
     return dataset, {"mean": mean.tolist(), "std": std.tolist()}
+
+
+def split_sizes(n_rows: int, test_fraction: float, val_share: float) -> tuple[int, int, int]:
+    """Train, val and test rows of `n_rows`, rounded as scikit-learn's train_test_split rounds them."""
+    n_test = math.ceil(test_fraction * n_rows)
+    n_val = math.ceil(val_share * (n_rows - n_test))
+    return n_rows - n_test - n_val, n_val, n_test
+
+
+def min_rows(n_classes: int, test_fraction: float, val_share: float) -> int:
+    """The fewest rows whose three splits can each hold a row of every class (stratify needs that)."""
+    n = 3 * n_classes
+    while min(split_sizes(n, test_fraction, val_share)) < n_classes:
+        n += 1
+    return n
+
+
+def _source_name(cfg: DataConfig) -> str:
+    """What to name in an error about the rows: the CSV's file name, or the source."""
+    return Path(cfg.csv_path or "").name if cfg.source == "csv" else f"data.source {cfg.source}"
 
 
 def save(dataset: Dataset, scaler: dict[str, list[float]], folder: str | Path, inputs_key: str = "") -> dict[str, Any]:
@@ -163,10 +217,30 @@ def save(dataset: Dataset, scaler: dict[str, list[float]], folder: str | Path, i
 
 
 def load(folder: str | Path) -> Dataset:
+    """The dataset `save` wrote; a missing or damaged file is a DataError naming it."""
     folder = Path(folder)
     meta_path = folder / "dataset.json"
     if not meta_path.is_file():
-        raise DataError(f"no prepared dataset in {folder} (run `batchlab generate` or `dvc repro generate`)")
-    meta = json.loads(meta_path.read_text())
-    splits = {n: Split(np.load(folder / f"x_{n}.npy"), np.load(folder / f"y_{n}.npy")) for n in SPLITS}
-    return Dataset(**splits, feature_names=meta["feature_names"], class_names=meta["class_names"])
+        raise DataError(f"no prepared dataset in {folder}; {REGENERATE}")
+    try:
+        meta = json.loads(meta_path.read_text())
+        feature_names, class_names = list(meta["feature_names"]), list(meta["class_names"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DataError(f"{meta_path} is damaged ({type(err).__name__}); {REGENERATE}") from err
+    splits = {}
+    for name in SPLITS:
+        x_path, y_path = folder / f"x_{name}.npy", folder / f"y_{name}.npy"
+        split = Split(_load_array(x_path), _load_array(y_path))
+        if split.y.ndim != 1 or split.x.shape != (split.y.shape[0], len(feature_names)):
+            raise DataError(f"{x_path} and {y_path} do not match {meta_path}; {REGENERATE}")
+        splits[name] = split
+    return Dataset(**splits, feature_names=feature_names, class_names=class_names)
+
+
+def _load_array(path: Path) -> np.ndarray:
+    try:
+        return np.load(path)
+    except FileNotFoundError:
+        raise DataError(f"{path} is missing; {REGENERATE}") from None
+    except (OSError, ValueError, EOFError) as err:  # truncated, empty, or not an .npy file
+        raise DataError(f"{path} is damaged ({type(err).__name__}); {REGENERATE}") from err

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchlab import atomic
 from batchlab.config import Config, TrainConfig
 from batchlab.data import Dataset, Split
-from batchlab.model import build_model
+from batchlab.model import build_model, save_torch
 from batchlab.strategy import Strategy
 from batchlab.tracking import NullTracker, Tracker
 
@@ -26,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class NonFiniteError(RuntimeError):
-    """Gradients stayed NaN/inf for too many consecutive steps."""
+    """Gradients stayed NaN/inf for too many consecutive steps, or the val loss was never finite."""
 
 
 @dataclass
@@ -37,6 +39,8 @@ class TrainState:
     best_val_loss: float = math.inf
     best_epoch: int = -1
     bad_epochs: int = 0
+    # non-finite steps in a row at the end of the last epoch: the guard counts across epochs
+    nonfinite_run: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -104,15 +108,21 @@ class EpochStats:
     norm_var: float
     nonfinite: int
     worst_nonfinite_run: int
+    last_nonfinite_run: int
 
 
-def _epoch_stats(losses: list[torch.Tensor], norms: list[torch.Tensor], strategy: Strategy) -> EpochStats:
-    """Mean train loss over ranks, and the gradient norm's mean/variance over the finite steps."""
+def _epoch_stats(
+    losses: list[torch.Tensor], norms: list[torch.Tensor], strategy: Strategy, run_before: int
+) -> EpochStats:
+    """Mean train loss over ranks, and the gradient norm's mean/variance over the finite steps.
+
+    Runs of non-finite steps continue the `run_before` steps that ended the previous epoch.
+    """
     train_loss = strategy.mean_across_ranks(torch.stack(losses).float().mean()).item()
     norm = torch.stack(norms).float().cpu()
     finite = torch.isfinite(norm)
     ok = norm[finite]
-    worst = run = 0
+    worst = run = run_before
     for bad in (~finite).tolist():
         run = run + 1 if bad else 0
         worst = max(worst, run)
@@ -122,7 +132,16 @@ def _epoch_stats(losses: list[torch.Tensor], norms: list[torch.Tensor], strategy
         norm_var=ok.var(unbiased=False).item() if ok.numel() else 0.0,
         nonfinite=int((~finite).sum()),
         worst_nonfinite_run=worst,
+        last_nonfinite_run=run,
     )
+
+
+def _likely_cause(dataset: Dataset, precision: str) -> str:
+    """Why training went non-finite: bad inputs if any, otherwise the optimisation."""
+    bad = [name for name in ("train", "val") if not np.isfinite(getattr(dataset, name).x).all()]
+    if bad:
+        return f"the {'/'.join(bad)} inputs contain NaN/inf values: fix the data, then `batchlab generate`"
+    return "lower train.lr or use train.precision fp32/bf16" if precision == "fp16" else "lower train.lr"
 
 
 def _progress(total: int, start: int, enabled: bool) -> Any:
@@ -149,30 +168,32 @@ def fit(
     """Train the model of `cfg` on `dataset`; resume from `checkpoint` when it matches the config."""
     tc = cfg.train
     tracker = tracker or NullTracker()
-    model = initial_model(cfg, dataset.n_features, dataset.n_classes)
-    model.to(strategy.device)
-    optimizer = make_optimizer(tc, model.parameters())
     n_train = dataset.train.y.shape[0]
     steps = steps_per_epoch(n_train, tc.batch_size)
     if steps == 0:
         raise ValueError(f"train.batch_size ({tc.batch_size}) is larger than the train split ({n_train} rows)")
-    schedule = make_schedule(tc, optimizer, steps)
+
+    def start() -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR | None]:
+        model = initial_model(cfg, dataset.n_features, dataset.n_classes).to(strategy.device)
+        optimizer = make_optimizer(tc, model.parameters())
+        return model, optimizer, make_schedule(tc, optimizer, steps)
+
+    model, optimizer, schedule = start()
     state = TrainState()
     best_weights = copy.deepcopy(model.state_dict())
     print_fp = fingerprint(cfg, dataset)
-    if checkpoint is not None and checkpoint.is_file():
-        saved = torch.load(checkpoint, map_location=strategy.device, weights_only=True)
-        if saved.get("fingerprint") == print_fp:
-            model.load_state_dict(saved["model"])
-            optimizer.load_state_dict(saved["optimizer"])
-            if schedule is not None:
-                schedule.load_state_dict(saved["schedule"])
-            strategy.scaler.load_state_dict(saved["scaler"])
-            best_weights = saved["best_model"]
-            state = TrainState(**saved["state"])
+    saved = None if checkpoint is None else _read_checkpoint(checkpoint, strategy)
+    if saved is not None and saved.get("fingerprint") != print_fp:
+        log.info("ignoring %s: it was written for other params or data", checkpoint)
+    elif saved is not None and checkpoint is not None:
+        fresh_scaler = strategy.scaler.state_dict()
+        try:
+            state, best_weights = _restore(saved, model, optimizer, schedule, strategy.scaler)
             log.info("resuming from %s at epoch %d", checkpoint, state.epoch)
-        else:
-            log.info("ignoring %s: it was written for other params or data", checkpoint)
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:  # loaded, but not what fit writes
+            _set_aside(checkpoint, type(err).__name__, strategy)
+            model, optimizer, schedule = start()  # some of the checkpoint may have been loaded already
+            strategy.scaler.load_state_dict(fresh_scaler)
 
     net = strategy.wrap(model)
     strategy.prepare(model)
@@ -208,12 +229,12 @@ def fit(
             if schedule is not None:
                 schedule.step()
         # one host sync per epoch: the step's figures stay on the device until here
-        stats = _epoch_stats(losses, norms, strategy)
+        stats = _epoch_stats(losses, norms, strategy, state.nonfinite_run)
         seconds = time.perf_counter() - started
         if stats.worst_nonfinite_run >= tc.max_nonfinite_steps:
             raise NonFiniteError(
-                f"{stats.worst_nonfinite_run} consecutive steps had non-finite gradients in epoch {epoch + 1} "
-                f"(limit train.max_nonfinite_steps={tc.max_nonfinite_steps}); lower train.lr or use fp32/bf16"
+                f"{stats.worst_nonfinite_run} consecutive steps had non-finite gradients by epoch {epoch + 1} "
+                f"(limit train.max_nonfinite_steps={tc.max_nonfinite_steps}); {_likely_cause(dataset, tc.precision)}"
             )
         val_logits = predict_logits(model, x_val, strategy)
         val_loss = F.cross_entropy(val_logits, y_val).item()
@@ -233,6 +254,7 @@ def fit(
         }
         state.history.append(row)
         state.epoch = epoch + 1
+        state.nonfinite_run = stats.last_nonfinite_run
         if val_loss < state.best_val_loss - 1e-6:
             state.best_val_loss, state.best_epoch, state.bad_epochs = val_loss, epoch + 1, 0
             best_weights = copy.deepcopy(model.state_dict())
@@ -250,17 +272,62 @@ def fit(
                     "best_model": best_weights,
                     "state": state.__dict__,
                 }
-                save_checkpoint(checkpoint, payload)
+                save_torch(checkpoint, payload)
             _report(bar, row, tc.epochs)
     if bar is not None:
         bar.close()
+    if state.best_epoch < 0:  # the weights were never better than "no model": nothing to return
+        raise NonFiniteError(
+            f"validation loss was never finite in {state.epoch} epochs; {_likely_cause(dataset, tc.precision)}"
+        )
     model.load_state_dict(best_weights)
     model.eval()
     return TrainResult(model=model, history=state.history, best_epoch=state.best_epoch, stopped_early=stopped_early)
 
 
-def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
-    atomic.write_with(path, lambda tmp: torch.save(payload, tmp))
+def _read_checkpoint(path: Path, strategy: Strategy) -> dict[str, Any] | None:
+    """The checkpoint's contents; None when there is none, or it is damaged (then it is set aside)."""
+    if not path.is_file():
+        return None
+    try:
+        saved = torch.load(path, map_location=strategy.device, weights_only=True)
+    # torch.load raises EOFError, UnpicklingError, RuntimeError... on a truncated or foreign file;
+    # whatever it is, a checkpoint only saves time: start from scratch rather than fail every rerun
+    except Exception as err:
+        _set_aside(path, type(err).__name__, strategy)
+        return None
+    if not isinstance(saved, dict):
+        _set_aside(path, f"holds a {type(saved).__name__}", strategy)
+        return None
+    return saved
+
+
+def _restore(
+    saved: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LambdaLR | None,
+    scaler: torch.amp.GradScaler,
+) -> tuple[TrainState, dict[str, Any]]:
+    """Load a checkpoint of this config into the fresh objects; the state and best weights it holds."""
+    model.load_state_dict(saved["best_model"])  # checks the best weights fit too; overwritten next
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    if schedule is not None:
+        schedule.load_state_dict(saved["schedule"])
+    state = TrainState(**saved["state"])
+    scaler.load_state_dict(saved["scaler"])
+    return state, saved["best_model"]
+
+
+def _set_aside(path: Path, reason: str, strategy: Strategy) -> None:
+    """Move a damaged checkpoint out of the way (kept for inspection) so this and later runs start fresh."""
+    if not strategy.is_main:  # rank 0 alone writes checkpoints, and alone moves them
+        return
+    damaged = path.with_name(f"{path.name}.damaged")
+    with contextlib.suppress(OSError):
+        os.replace(path, damaged)
+    log.warning("checkpoint %s is damaged (%s); moved it to %s, training from the start", path, reason, damaged)
 
 
 def _report(bar: Any, row: dict[str, float], epochs: int) -> None:
