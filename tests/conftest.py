@@ -25,6 +25,8 @@ TINY: dict[str, Any] = {
     "data": {"samples": 600, "features": 8, "informative": 5, "class_sep": 1.5},
     "model": {"hidden_sizes": [16], "dropout": 0.0},
     "train": {"epochs": 4, "batch_size": 32, "lr": 0.01, "threads": 1, "early_stopping_patience": 0},
+    "evaluate": {},
+    "export": {},
     "tracking": {"enabled": False},
     "sweep": {"batch_sizes": [16, 32, 64], "epochs": 3},
 }

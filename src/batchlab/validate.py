@@ -10,11 +10,11 @@ stops `dvc repro` here. Imports neither torch nor mlflow: it runs on every param
 from __future__ import annotations
 
 import csv
-import math
 from pathlib import Path
 
 from batchlab import atomic
 from batchlab.config import Config, ConfigError, DataConfig
+from batchlab.data import split_sizes
 
 STAMP = Path(".batchlab") / "params.ok"
 STAMP_TEXT = "params.yaml passed `batchlab validate`\n"  # constant: see the module docstring
@@ -35,9 +35,7 @@ def train_rows(cfg: DataConfig, root: Path = Path(".")) -> int | None:
             return None
     else:
         rows = BUNDLED_ROWS[cfg.source]
-    rest = rows - math.ceil(cfg.test_fraction * rows)
-    val_share = cfg.val_fraction / (1 - cfg.test_fraction)
-    return rest - math.ceil(val_share * rest)
+    return split_sizes(rows, cfg.test_fraction, cfg.val_fraction / (1 - cfg.test_fraction))[0]
 
 
 def batches_fit(cfg: Config, n_train: int) -> None:
