@@ -53,11 +53,6 @@ def test_config_is_frozen_and_flattens_for_tracking() -> None:
     assert flat["model.hidden_sizes"] == [16]
 
 
-def test_micro_batch_splits_global_batch_over_ranks_and_accumulation() -> None:
-    cfg = parse_config(merge(TINY, {"train": {"strategy": "ddp", "nproc": 2, "grad_accum_steps": 2, "batch_size": 64}}))
-    assert cfg.train.micro_batch_size() == 16
-
-
 def test_missing_or_malformed_params_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")

@@ -33,7 +33,8 @@ def medium() -> Dataset:
 
 def test_gradient_accumulation_2x16_equals_one_batch_of_32(tiny_dataset: Dataset) -> None:
     one = fit(tiny_config(train={"batch_size": 32}), tiny_dataset, CPU).model
-    accumulated = fit(tiny_config(train={"batch_size": 32, "grad_accum_steps": 2}), tiny_dataset, CPU).model
+    cfg = tiny_config(train={"batch_size": 32, "grad_accum_steps": 2})
+    accumulated = fit(cfg, tiny_dataset, Strategy(torch.device("cpu"), grad_accum_steps=2)).model
     assert _max_diff(one, accumulated) < 1e-5
 
 
@@ -57,17 +58,23 @@ def test_fp16_scaler_skips_and_counts_overflowing_steps(medium: Dataset) -> None
 
 def test_strategy_members_are_safe_on_one_process() -> None:
     model = torch.nn.Linear(3, 2)
-    assert CPU.wrap(model) is model and CPU.unwrap(model) is model
+    assert CPU.setup(model) is model and model.weight.grad is not None  # a view of the flat buffer
     assert isinstance(CPU.autocast(), contextlib.nullcontext)
     assert not CPU.scaler.is_enabled() and CPU.is_main
-    assert torch.equal(CPU.shard(torch.arange(8)), torch.arange(8))
+    assert [b.tolist() for b in CPU.micro_batches(model, torch.arange(8))] == [list(range(8))]
     assert CPU.describe() == {"strategy": "single", "device": "cpu", "precision": "fp32", "world_size": "1"}
 
 
-def test_shards_are_disjoint_equal_slices_of_the_global_batch() -> None:
-    batch = torch.arange(12)
-    shards = [Strategy(torch.device("cpu"), rank=r, world_size=3).shard(batch) for r in range(3)]
-    assert torch.equal(torch.cat(shards), batch) and {len(s) for s in shards} == {4}
+def test_micro_batches_are_disjoint_equal_slices_of_the_global_batch() -> None:
+    batch, net = torch.arange(12), torch.nn.Linear(1, 1)
+    ranks = [Strategy(torch.device("cpu"), rank=r, world_size=3, grad_accum_steps=2) for r in range(3)]
+    chunks = [c for s in ranks for c in s.micro_batches(net, batch)]
+    assert torch.equal(torch.cat(chunks), batch) and {len(c) for c in chunks} == {2}
+
+
+def test_a_strategy_built_for_other_accumulation_is_refused(tiny_dataset: Dataset) -> None:
+    with pytest.raises(ValueError, match=r"train\.grad_accum_steps is 2: build it with Strategy\.from_config"):
+        fit(tiny_config(train={"grad_accum_steps": 2}), tiny_dataset, CPU)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown on machines without CUDA")

@@ -100,10 +100,6 @@ class TrainConfig(Section):
     def world_size(self) -> int:
         return self.nproc * self.nnodes if self.strategy == "ddp" else 1
 
-    def micro_batch_size(self) -> int:
-        """Rows one rank feeds forward at a time."""
-        return self.batch_size // (self.world_size() * self.grad_accum_steps)
-
 
 class EvaluateConfig(Section):
     average: Literal["macro", "weighted"] = Field("macro", description="headline average for precision/recall/F1")

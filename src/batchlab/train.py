@@ -1,15 +1,13 @@
-"""The training loop: fit(...) -> TrainResult. Nothing else lives here."""
+"""The training loop: fit(...) -> TrainResult, and the optimizer and schedule it steps."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
-import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchlab.checkpoint import Checkpoint, Trainee, TrainState
 from batchlab.config import Config, TrainConfig
 from batchlab.data import Dataset, Split
-from batchlab.model import build_model, save_torch
+from batchlab.model import build_model
 from batchlab.strategy import Strategy
 from batchlab.tracking import NullTracker, Tracker
 
@@ -29,19 +28,6 @@ log = logging.getLogger(__name__)
 
 class NonFiniteError(RuntimeError):
     """Gradients stayed NaN/inf for too many consecutive steps, or the val loss was never finite."""
-
-
-@dataclass
-class TrainState:
-    """Everything a checkpoint holds beyond model/optimizer: plain values only (weights_only)."""
-
-    epoch: int = 0
-    best_val_loss: float = math.inf
-    best_epoch: int = -1
-    bad_epochs: int = 0
-    # non-finite steps in a row at the end of the last epoch: the guard counts across epochs
-    nonfinite_run: int = 0
-    history: list[dict[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -61,12 +47,26 @@ def make_optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:
     return cls(params, lr=lr, weight_decay=cfg.weight_decay, fused=True)
 
 
-def make_schedule(
-    cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int
-) -> torch.optim.lr_scheduler.LambdaLR | None:
-    """Warmup + cosine, stepped per optimizer step; None for a constant rate (nothing to step)."""
+class ConstantRate:
+    """The schedule of a constant learning rate: stepping it does nothing."""
+
+    def step(self) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        pass
+
+
+Schedule = torch.optim.lr_scheduler.LambdaLR | ConstantRate
+
+
+def make_schedule(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> Schedule:
+    """Warmup + cosine, stepped per optimizer step, or a constant rate."""
     if cfg.schedule == "constant":
-        return None
+        return ConstantRate()
     total = max(1, cfg.epochs * steps_per_epoch)
     warmup = int(cfg.warmup_epochs * steps_per_epoch)
 
@@ -172,42 +172,26 @@ def fit(
     steps = steps_per_epoch(n_train, tc.batch_size)
     if steps == 0:
         raise ValueError(f"train.batch_size ({tc.batch_size}) is larger than the train split ({n_train} rows)")
-
-    def start() -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR | None]:
-        model = initial_model(cfg, dataset.n_features, dataset.n_classes).to(strategy.device)
-        optimizer = make_optimizer(tc, model.parameters())
-        return model, optimizer, make_schedule(tc, optimizer, steps)
-
-    model, optimizer, schedule = start()
-    state = TrainState()
-    best_weights = copy.deepcopy(model.state_dict())
-    print_fp = fingerprint(cfg, dataset)
-    saved = None if checkpoint is None else _read_checkpoint(checkpoint, strategy)
-    if saved is not None and saved.get("fingerprint") != print_fp:
-        log.info("ignoring %s: it was written for other params or data", checkpoint)
-    elif saved is not None and checkpoint is not None:
-        fresh_scaler = strategy.scaler.state_dict()
-        try:
-            state, best_weights = _restore(saved, model, optimizer, schedule, strategy.scaler)
-            log.info("resuming from %s at epoch %d", checkpoint, state.epoch)
-        except (KeyError, TypeError, ValueError, RuntimeError) as err:  # loaded, but not what fit writes
-            _set_aside(checkpoint, type(err).__name__, strategy)
-            model, optimizer, schedule = start()  # some of the checkpoint may have been loaded already
-            strategy.scaler.load_state_dict(fresh_scaler)
-
-    net = strategy.wrap(model)
-    strategy.prepare(model)
-    strategy.reset_peak_memory()
+    if strategy.grad_accum_steps != tc.grad_accum_steps:
+        raise ValueError(
+            f"the strategy accumulates {strategy.grad_accum_steps} micro-batches per step, "
+            f"train.grad_accum_steps is {tc.grad_accum_steps}: build it with Strategy.from_config"
+        )
+    saved = Checkpoint(checkpoint, fingerprint(cfg, dataset), strategy.is_main)
+    trainee, initial_scaler = _trainee(cfg, dataset, strategy, steps), strategy.scaler.state_dict()
+    state = saved.restore(trainee, strategy.device)
+    if state is None:  # nothing to resume: a fresh start (a failed restore may have loaded part)
+        trainee, state = _trainee(cfg, dataset, strategy, steps), TrainState()
+        strategy.scaler.load_state_dict(initial_scaler)
+    model, optimizer, schedule = trainee.model, trainee.optimizer, trainee.schedule
+    net = strategy.setup(model)
     x_train, y_train = _tensors(dataset.train, strategy.device)
     x_val, y_val = _tensors(dataset.val, strategy.device)
-    micro = tc.grad_accum_steps
     bar = _progress(tc.epochs, state.epoch, strategy.is_main)
-    stopped_early = False
 
     for epoch in range(state.epoch, tc.epochs):
         # checked here, not after the epoch, so a run resumed from the stopping epoch stops too
-        stopped_early = 0 < tc.early_stopping_patience <= state.bad_epochs
-        if stopped_early:
+        if state.should_stop(tc.early_stopping_patience):
             break
         # seeded per epoch (and per rank for dropout) so a resumed run replays the same numbers
         order = torch.randperm(n_train, generator=torch.Generator().manual_seed(tc.seed * 100_003 + epoch))
@@ -218,16 +202,13 @@ def fit(
         norms: list[torch.Tensor] = []
         started = time.perf_counter()
         for step in range(steps):
-            rows = strategy.shard(order[step * tc.batch_size : (step + 1) * tc.batch_size])
-            for i, chunk in enumerate(rows.chunk(micro) if micro > 1 else (rows,)):
-                with strategy.accumulating(net, last_micro_batch=i == micro - 1):
-                    with strategy.autocast():
-                        loss = F.cross_entropy(net(x_train[chunk]), y_train[chunk])
-                    strategy.backward(loss if micro == 1 else loss / micro)
+            for rows in strategy.micro_batches(net, order[step * tc.batch_size : (step + 1) * tc.batch_size]):
+                with strategy.autocast():
+                    loss = F.cross_entropy(net(x_train[rows]), y_train[rows])
+                strategy.backward(loss)
                 losses.append(loss.detach())
             norms.append(strategy.step(optimizer))
-            if schedule is not None:
-                schedule.step()
+            schedule.step()
         # one host sync per epoch: the step's figures stay on the device until here
         stats = _epoch_stats(losses, norms, strategy, state.nonfinite_run)
         seconds = time.perf_counter() - started
@@ -237,13 +218,11 @@ def fit(
                 f"(limit train.max_nonfinite_steps={tc.max_nonfinite_steps}); {_likely_cause(dataset, tc.precision)}"
             )
         val_logits = predict_logits(model, x_val, strategy)
-        val_loss = F.cross_entropy(val_logits, y_val).item()
-        val_acc = (val_logits.argmax(1) == y_val).float().mean().item()
         row: dict[str, float] = {
             "epoch": float(epoch + 1),
             "train_loss": stats.train_loss,
-            "val_loss": val_loss,
-            "val_accuracy": val_acc,
+            "val_loss": F.cross_entropy(val_logits, y_val).item(),
+            "val_accuracy": (val_logits.argmax(1) == y_val).float().mean().item(),
             "samples_per_s": steps * tc.batch_size / seconds,
             "epoch_seconds": seconds,
             "peak_memory_mb": strategy.peak_memory_mb(),
@@ -252,27 +231,11 @@ def fit(
             "nonfinite_steps": float(stats.nonfinite),
             "lr": float(optimizer.param_groups[0]["lr"]),
         }
-        state.history.append(row)
-        state.epoch = epoch + 1
-        state.nonfinite_run = stats.last_nonfinite_run
-        if val_loss < state.best_val_loss - 1e-6:
-            state.best_val_loss, state.best_epoch, state.bad_epochs = val_loss, epoch + 1, 0
-            best_weights = copy.deepcopy(model.state_dict())
-        else:
-            state.bad_epochs += 1
+        if state.record(row, stats.last_nonfinite_run):
+            trainee.keep_best()
         if strategy.is_main:
             tracker.log_epoch(row, step=epoch + 1)
-            if checkpoint is not None:
-                payload = {
-                    "fingerprint": print_fp,
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "schedule": None if schedule is None else schedule.state_dict(),
-                    "scaler": strategy.scaler.state_dict(),
-                    "best_model": best_weights,
-                    "state": state.__dict__,
-                }
-                save_torch(checkpoint, payload)
+            saved.save(trainee, state)
             _report(bar, row, tc.epochs)
     if bar is not None:
         bar.close()
@@ -280,54 +243,18 @@ def fit(
         raise NonFiniteError(
             f"validation loss was never finite in {state.epoch} epochs; {_likely_cause(dataset, tc.precision)}"
         )
-    model.load_state_dict(best_weights)
+    model.load_state_dict(trainee.best_weights)
     model.eval()
+    stopped_early = len(state.history) < tc.epochs
     return TrainResult(model=model, history=state.history, best_epoch=state.best_epoch, stopped_early=stopped_early)
 
 
-def _read_checkpoint(path: Path, strategy: Strategy) -> dict[str, Any] | None:
-    """The checkpoint's contents; None when there is none, or it is damaged (then it is set aside)."""
-    if not path.is_file():
-        return None
-    try:
-        saved = torch.load(path, map_location=strategy.device, weights_only=True)
-    # torch.load raises EOFError, UnpicklingError, RuntimeError... on a truncated or foreign file;
-    # whatever it is, a checkpoint only saves time: start from scratch rather than fail every rerun
-    except Exception as err:
-        _set_aside(path, type(err).__name__, strategy)
-        return None
-    if not isinstance(saved, dict):
-        _set_aside(path, f"holds a {type(saved).__name__}", strategy)
-        return None
-    return saved
-
-
-def _restore(
-    saved: dict[str, Any],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    schedule: torch.optim.lr_scheduler.LambdaLR | None,
-    scaler: torch.amp.GradScaler,
-) -> tuple[TrainState, dict[str, Any]]:
-    """Load a checkpoint of this config into the fresh objects; the state and best weights it holds."""
-    model.load_state_dict(saved["best_model"])  # checks the best weights fit too; overwritten next
-    model.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
-    if schedule is not None:
-        schedule.load_state_dict(saved["schedule"])
-    state = TrainState(**saved["state"])
-    scaler.load_state_dict(saved["scaler"])
-    return state, saved["best_model"]
-
-
-def _set_aside(path: Path, reason: str, strategy: Strategy) -> None:
-    """Move a damaged checkpoint out of the way (kept for inspection) so this and later runs start fresh."""
-    if not strategy.is_main:  # rank 0 alone writes checkpoints, and alone moves them
-        return
-    damaged = path.with_name(f"{path.name}.damaged")
-    with contextlib.suppress(OSError):
-        os.replace(path, damaged)
-    log.warning("checkpoint %s is damaged (%s); moved it to %s, training from the start", path, reason, damaged)
+def _trainee(cfg: Config, dataset: Dataset, strategy: Strategy, steps: int) -> Trainee:
+    """The initial model on the device, its optimizer and schedule, and the strategy's scaler."""
+    model = initial_model(cfg, dataset.n_features, dataset.n_classes).to(strategy.device)
+    optimizer = make_optimizer(cfg.train, model.parameters())
+    schedule = make_schedule(cfg.train, optimizer, steps)
+    return Trainee(model, optimizer, schedule, strategy.scaler, copy.deepcopy(model.state_dict()))
 
 
 def _report(bar: Any, row: dict[str, float], epochs: int) -> None:

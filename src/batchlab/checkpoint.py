@@ -1,0 +1,136 @@
+"""Resumable training: what a run has learned so far (TrainState) and where it is kept (Checkpoint).
+
+A checkpoint is written by the main rank only, atomically, after every epoch, and used only
+when its fingerprint (model + train params + data) matches the run; a damaged one is set aside
+with a warning, never fatal: a checkpoint only saves time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchlab.model import save_torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainState:
+    """The loop's progress: plain values only, so a checkpoint loads with weights_only=True."""
+
+    epoch: int = 0
+    best_val_loss: float = math.inf
+    best_epoch: int = -1
+    bad_epochs: int = 0
+    # non-finite steps in a row at the end of the last epoch: the guard counts across epochs
+    nonfinite_run: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    def record(self, row: dict[str, float], nonfinite_run: int) -> bool:
+        """Add an epoch's figures; True when its val loss is the best so far (keep its weights)."""
+        self.history.append(row)
+        self.epoch = int(row["epoch"])
+        self.nonfinite_run = nonfinite_run
+        if row["val_loss"] < self.best_val_loss - 1e-6:
+            self.best_val_loss, self.best_epoch, self.bad_epochs = row["val_loss"], self.epoch, 0
+            return True
+        self.bad_epochs += 1
+        return False
+
+    def should_stop(self, patience: int) -> bool:
+        """Early stopping: `patience` epochs without improvement (0 = never)."""
+        return 0 < patience <= self.bad_epochs
+
+
+@dataclass
+class Trainee:
+    """The objects a checkpoint restores, built fresh from the config."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: Any  # LambdaLR or train.ConstantRate: state_dict / load_state_dict / step
+    scaler: torch.amp.GradScaler
+    best_weights: dict[str, torch.Tensor]
+
+    def keep_best(self) -> None:
+        self.best_weights = copy.deepcopy(self.model.state_dict())
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path | None
+    fingerprint: str
+    is_main: bool = True
+
+    def restore(self, trainee: Trainee, device: torch.device) -> TrainState | None:
+        """Load a matching checkpoint into `trainee`; None (start fresh) when there is none, it is
+        another run's, or it is damaged. On None, `trainee` may be partly loaded: rebuild it."""
+        saved = self._read(device)
+        if saved is None:
+            return None
+        if saved.get("fingerprint") != self.fingerprint:
+            log.info("ignoring %s: it was written for other params or data", self.path)
+            return None
+        try:
+            trainee.model.load_state_dict(saved["best_model"])  # checks the best weights fit too
+            trainee.model.load_state_dict(saved["model"])
+            trainee.optimizer.load_state_dict(saved["optimizer"])
+            trainee.schedule.load_state_dict(saved["schedule"])
+            trainee.scaler.load_state_dict(saved["scaler"])
+            state = TrainState(**saved["state"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:  # loaded, but not what save wrote
+            self._set_aside(type(err).__name__)
+            return None
+        trainee.best_weights = saved["best_model"]
+        log.info("resuming from %s at epoch %d", self.path, state.epoch)
+        return state
+
+    def save(self, trainee: Trainee, state: TrainState) -> None:
+        if self.path is None or not self.is_main:
+            return
+        payload = {
+            "fingerprint": self.fingerprint,
+            "model": trainee.model.state_dict(),
+            "optimizer": trainee.optimizer.state_dict(),
+            "schedule": trainee.schedule.state_dict(),
+            "scaler": trainee.scaler.state_dict(),
+            "best_model": trainee.best_weights,
+            "state": asdict(state),
+        }
+        save_torch(self.path, payload)
+
+    def _read(self, device: torch.device) -> dict[str, Any] | None:
+        if self.path is None or not self.path.is_file():
+            return None
+        try:
+            saved = torch.load(self.path, map_location=device, weights_only=True)
+        # torch.load raises EOFError, UnpicklingError, RuntimeError... on a truncated or foreign
+        # file; whatever it is, start from scratch rather than fail every rerun
+        except Exception as err:
+            self._set_aside(type(err).__name__)
+            return None
+        if not isinstance(saved, dict):
+            self._set_aside(f"holds a {type(saved).__name__}")
+            return None
+        return saved
+
+    def _set_aside(self, reason: str) -> None:
+        """Move a damaged checkpoint out of the way (kept for inspection) so this and later runs start fresh."""
+        if self.path is None or not self.is_main:  # the main rank alone writes checkpoints, and alone moves them
+            return
+        damaged = self.path.with_name(f"{self.path.name}.damaged")
+        with contextlib.suppress(OSError):
+            os.replace(self.path, damaged)
+        log.warning(
+            "checkpoint %s is damaged (%s); moved it to %s, training from the start", self.path, reason, damaged
+        )
