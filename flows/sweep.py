@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import os
 
-# before prefect reads its settings (on import): with telemetry on, a run on this network-less
-# machine printed a ~100-line "database is locked" traceback from the analytics service
+# Prefect reads its settings on import: pipeline.py's defaults (why: see there), set before it
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-# the temporary server `python flows/pipeline.py` starts took over Prefect's 20 s default on a
-# busy 2-core machine, failing a run that would have succeeded
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 import time
