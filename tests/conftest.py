@@ -113,6 +113,22 @@ def run(cmd: list[str], cwd: Path, check: bool = True, **env: str) -> subprocess
     return proc
 
 
+def set_params(repo: Path, section: str, **values: object) -> None:
+    """Change keys of one section of `repo`/params.yaml, as a user editing it would."""
+    path = repo / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    params[section].update(values)
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty working directory, with no tracking URI inherited from the environment."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return tmp_path
+
+
 def write_params(folder: Path, cfg: dict[str, Any], name: str = "params.yaml") -> Path:
     path = folder / name
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -14,8 +14,7 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
-from tests.conftest import env_with_venv, free_port, run, wait_until
-from tests.test_pipeline import _set
+from tests.conftest import env_with_venv, free_port, run, set_params, wait_until
 
 pytestmark = pytest.mark.slow
 DDP = {"strategy": "ddp", "nproc": 2, "threads": 1}
@@ -53,8 +52,8 @@ def test_ddp_two_ranks_matches_single_process_and_logs_one_run(repo_copy: Path) 
     run(["batchlab", "generate"], repo_copy)
     run(["batchlab", "train"], repo_copy)
     single = _weights(repo_copy)
-    _set(repo_copy, "train", **DDP)
-    _set(repo_copy, "tracking", enabled=True)
+    set_params(repo_copy, "train", **DDP)
+    set_params(repo_copy, "tracking", enabled=True)
     out = run(["batchlab", "train"], repo_copy)
     assert _max_diff(single, _weights(repo_copy)) < 1e-5
     client = MlflowClient(f"sqlite:///{repo_copy / 'mlflow.db'}")
@@ -68,7 +67,7 @@ def test_ddp_two_ranks_matches_single_process_and_logs_one_run(repo_copy: Path) 
 
 
 def test_killed_rank_is_restarted_and_resumes_to_the_same_weights(repo_copy: Path) -> None:
-    _set(repo_copy, "train", **DDP, epochs=60, batch_size=16, max_restarts=1)
+    set_params(repo_copy, "train", **DDP, epochs=60, batch_size=16, max_restarts=1)
     run(["batchlab", "generate"], repo_copy)
     run(["batchlab", "train"], repo_copy)
     expected = _weights(repo_copy)
@@ -84,7 +83,7 @@ def test_killed_rank_is_restarted_and_resumes_to_the_same_weights(repo_copy: Pat
 
 
 def test_hung_rank_fails_within_dist_timeout_with_a_clear_error(repo_copy: Path) -> None:
-    _set(repo_copy, "train", **DDP, epochs=500, batch_size=16, dist_timeout_s=5)
+    set_params(repo_copy, "train", **DDP, epochs=500, batch_size=16, dist_timeout_s=5)
     run(["batchlab", "generate"], repo_copy)
     launcher = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env_with_venv(), stderr=subprocess.PIPE)
     _wait_for_epoch(repo_copy / ".batchlab/checkpoints/train.pt", 1, launcher)

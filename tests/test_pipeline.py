@@ -10,19 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from mlflow import MlflowClient
 
-from tests.conftest import env_with_venv, run, wait_until
+from tests.conftest import env_with_venv, run, set_params, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-def _set(repo: Path, section: str, **values: object) -> None:
-    path = repo / "params.yaml"
-    params = yaml.safe_load(path.read_text())
-    params[section].update(values)
-    path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
 def _ran(output: str) -> set[str]:
@@ -43,7 +35,7 @@ def test_dvc_repro_builds_everything_then_only_what_changed(repo_copy: Path) -> 
     again = run(["dvc", "repro"], repo_copy)
     assert _ran(again.stdout) == set(), again.stdout
 
-    _set(repo_copy, "train", lr=0.02)
+    set_params(repo_copy, "train", lr=0.02)
     changed = run(["dvc", "repro"], repo_copy)
     assert _ran(changed.stdout) == {"validate", "train", "evaluate", "export"}
 
@@ -72,14 +64,14 @@ def test_dvc_exp_run_with_override_is_compared_by_exp_show(repo_copy: Path) -> N
 def test_bad_params_exit_2_with_one_line_and_leave_outputs_untouched(repo_copy: Path) -> None:
     run(["batchlab", "generate"], repo_copy)
     before = (repo_copy / "data/prepared/x_train.npy").read_bytes()
-    _set(repo_copy, "train", batch_size=-3)
+    set_params(repo_copy, "train", batch_size=-3)
     proc = run(["batchlab", "train"], repo_copy, check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "batchlab: error: train.batch_size: Input should be greater than 0, got -3"
-    _set(repo_copy, "train", batch_size=4096)
+    set_params(repo_copy, "train", batch_size=4096)
     proc = run(["batchlab", "train"], repo_copy, check=False)
     assert proc.returncode == 2 and "larger than the train split (420 rows)" in proc.stderr
-    _set(repo_copy, "data", source="csv", csv_path="missing.csv")
+    set_params(repo_copy, "data", source="csv", csv_path="missing.csv")
     proc = run(["batchlab", "generate"], repo_copy, check=False)
     assert proc.returncode == 2 and "data.csv_path 'missing.csv' does not exist" in proc.stderr
     assert (repo_copy / "data/prepared/x_train.npy").read_bytes() == before
@@ -87,8 +79,8 @@ def test_bad_params_exit_2_with_one_line_and_leave_outputs_untouched(repo_copy: 
 
 
 def test_killed_train_resumes_from_checkpoint_and_matches_uninterrupted(repo_copy: Path) -> None:
-    _set(repo_copy, "train", epochs=40, batch_size=16)
-    _set(repo_copy, "model", dropout=0.2)
+    set_params(repo_copy, "train", epochs=40, batch_size=16)
+    set_params(repo_copy, "model", dropout=0.2)
     run(["batchlab", "generate"], repo_copy)
     run(["batchlab", "train"], repo_copy)
     expected = torch.load(repo_copy / "models/model.pt", weights_only=True)["state_dict"]
@@ -131,15 +123,15 @@ def test_bad_params_under_dvc_repro_stop_before_any_output_is_removed(repo_copy:
     outputs = (*TRAIN_OUTPUTS, "reports/metrics.json", "reports/sweep/summary.csv", "reports/sweep/sweep.json")
     before = _md5s(repo_copy, *outputs)
 
-    _set(repo_copy, "train", lr=-0.01)
+    set_params(repo_copy, "train", lr=-0.01)
     proc = run(["dvc", "repro"], repo_copy, check=False)
     assert proc.returncode != 0
     assert "batchlab: error: train.lr: Input should be greater than 0, got -0.01" in proc.stderr + proc.stdout
     assert _md5s(repo_copy, *outputs) == before
     assert _changes(repo_copy) == {"validate: changed params", "train: changed params", "sweep: changed params"}
 
-    _set(repo_copy, "train", lr=0.01)
-    _set(repo_copy, "sweep", batch_sizes=[16, 4096])
+    set_params(repo_copy, "train", lr=0.01)
+    set_params(repo_copy, "sweep", batch_sizes=[16, 4096])
     proc = run(["dvc", "repro"], repo_copy, check=False)
     assert proc.returncode != 0 and "sweep.batch_sizes [4096] are larger than the train split (420 rows)" in (
         proc.stderr + proc.stdout
@@ -151,9 +143,9 @@ def test_bad_params_under_dvc_repro_stop_before_any_output_is_removed(repo_copy:
 def test_run_cache_restores_train_when_params_come_back(repo_copy: Path) -> None:
     run(["dvc", "repro", "train"], repo_copy)
     first = _md5s(repo_copy, *TRAIN_OUTPUTS)
-    _set(repo_copy, "train", lr=0.02)
+    set_params(repo_copy, "train", lr=0.02)
     assert "train" in _ran(run(["dvc", "repro", "train"], repo_copy).stdout)
-    _set(repo_copy, "train", lr=0.01)  # TINY's value: the first run's
+    set_params(repo_copy, "train", lr=0.01)  # TINY's value: the first run's
     again = run(["dvc", "repro", "train"], repo_copy)
     assert "Stage 'train' is cached - skipping run" in again.stdout, again.stdout
     assert _md5s(repo_copy, *TRAIN_OUTPUTS) == first
@@ -163,8 +155,8 @@ def test_editing_the_csv_source_reruns_generate(repo_copy: Path) -> None:
     rows = ["a,b,target"] + [f"{i % 7},{(i * 3) % 11},{i % 2}" for i in range(120)]
     csv = repo_copy / "data/raw/table.csv"
     csv.write_text("\n".join(rows) + "\n")
-    _set(repo_copy, "data", source="csv", csv_path="data/raw/table.csv")
-    _set(repo_copy, "sweep", batch_sizes=[16])
+    set_params(repo_copy, "data", source="csv", csv_path="data/raw/table.csv")
+    set_params(repo_copy, "sweep", batch_sizes=[16])
     run(["dvc", "repro", "generate"], repo_copy)
     hash_before = json.loads((repo_copy / "data/prepared/dataset.json").read_text())["content_hash"]
     assert not {c for c in _changes(repo_copy) if c.startswith(("validate", "generate"))}
@@ -176,7 +168,7 @@ def test_editing_the_csv_source_reruns_generate(repo_copy: Path) -> None:
 
     outside = repo_copy / "table.csv"
     outside.write_text(csv.read_text())
-    _set(repo_copy, "data", csv_path="table.csv")
+    set_params(repo_copy, "data", csv_path="table.csv")
     proc = run(["batchlab", "validate"], repo_copy, check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
@@ -186,8 +178,8 @@ def test_editing_the_csv_source_reruns_generate(repo_copy: Path) -> None:
 
 
 def test_ctrl_c_exits_130_keeps_the_checkpoint_and_ends_the_run_killed(repo_copy: Path) -> None:
-    _set(repo_copy, "train", epochs=400, batch_size=16)
-    _set(repo_copy, "tracking", enabled=True)
+    set_params(repo_copy, "train", epochs=400, batch_size=16)
+    set_params(repo_copy, "tracking", enabled=True)
     run(["batchlab", "generate"], repo_copy)
     checkpoint = repo_copy / ".batchlab/checkpoints/train.pt"
     proc = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env_with_venv(), stderr=subprocess.PIPE)

@@ -16,8 +16,7 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from tests.conftest import env_with_venv, free_port, wait_until
-from tests.test_pipeline import _set
+from tests.conftest import env_with_venv, free_port, set_params, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +59,7 @@ def _api(api: str, call: Any) -> Any:
 
 
 def test_scheduled_deployment_is_stored_and_a_triggered_run_completes(repo_copy: Path, prefect_api: str) -> None:
-    _set(repo_copy, "tracking", enabled=True)
+    set_params(repo_copy, "tracking", enabled=True)
     env = env_with_venv(
         PREFECT_API_URL=prefect_api,
         PREFECT_HOME=str(repo_copy / ".prefect"),

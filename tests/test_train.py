@@ -155,7 +155,11 @@ def test_checkpoint_of_other_params_is_ignored(tiny_dataset: Dataset, tmp_path: 
     with pytest.raises(KeyboardInterrupt):
         fit(tiny_config(), tiny_dataset, CPU, tracker=StopAfter(2), checkpoint=checkpoint)  # type: ignore[arg-type]
     result = fit(tiny_config(train={"lr": 0.02}), tiny_dataset, CPU, checkpoint=checkpoint)
-    assert len(result.history) == 4  # started from epoch 1, not resumed
+    fresh = fit(tiny_config(train={"lr": 0.02}), tiny_dataset, CPU)
+    # a wrong resume would keep the lr=0.01 run's first two epochs and end with other weights
+    assert [r["val_loss"] for r in result.history] == [r["val_loss"] for r in fresh.history]
+    want, got = _weights(fresh.model), _weights(result.model)
+    assert all(torch.equal(want[k], got[k]) for k in want)
 
 
 def test_batch_larger_than_train_split_is_rejected(tiny_dataset: Dataset) -> None:
