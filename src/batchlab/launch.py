@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from batchlab import loopback
 from batchlab.config import TrainConfig
 
 RUN_ID_ENV = "BATCHLAB_RUN_ID"
@@ -27,6 +28,7 @@ def torchrun_args(cfg: TrainConfig) -> list[str]:
     if cfg.nnodes == 1:
         # a free local port for the rendezvous, so parallel sweeps never collide
         return [*args, "--standalone"]
+    # other machines must reach this one: the stores listen on every interface
     host, _, port = cfg.rdzv_endpoint.rpartition(":")
     # static rendezvous: node_rank 0 hosts global rank 0, which writes every output
     return [*args, "--nnodes", str(cfg.nnodes), "--node-rank", str(cfg.node_rank),
@@ -46,7 +48,19 @@ def worker_env(cfg: TrainConfig, run_id: str | None) -> dict[str, str]:
         env[RUN_ID_ENV] = run_id
     else:
         env.pop(RUN_ID_ENV, None)
+    if cfg.nnodes == 1:
+        # one machine: the ranks' store and gloo's sockets listen on loopback, not on every interface
+        env[loopback.LOOPBACK_ENV] = "1"
+        env["GLOO_SOCKET_IFNAME"] = loopback.loopback_interface()
+    else:
+        env.pop(loopback.LOOPBACK_ENV, None)
     return env
+
+
+def launch_command(cfg: TrainConfig, stage_args: list[str]) -> list[str]:
+    """torchrun running `batchlab <stage_args>`; on one machine, the variant whose stores listen on loopback."""
+    launcher = "batchlab.loopback" if cfg.nnodes == 1 else "torch.distributed.run"
+    return [sys.executable, "-m", launcher, *torchrun_args(cfg), "-m", "batchlab.cli", *stage_args]
 
 
 def start_ranks(
@@ -61,7 +75,6 @@ def start_ranks(
 
 def launch(cfg: TrainConfig, stage_args: list[str], cwd: Path, run_id: str | None) -> None:
     """Run `batchlab <stage_args>` on every rank of this machine, in `cwd`; raise LaunchError on failure."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(cfg), "-m", "batchlab.cli", *stage_args]
-    code = subprocess.run(cmd, env=worker_env(cfg, run_id), cwd=cwd).returncode
+    code = subprocess.run(launch_command(cfg, stage_args), env=worker_env(cfg, run_id), cwd=cwd).returncode
     if code != 0:
         raise LaunchError(f"distributed training failed: torchrun exited {code} (the failing rank's error is above)")

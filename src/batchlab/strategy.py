@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import get_total_norm
 
+from batchlab import loopback
 from batchlab.config import ConfigError, TrainConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -81,9 +82,16 @@ class Strategy:
                 torch.cuda.set_device(local_rank)
                 device = torch.device("cuda", local_rank)
             if not dist.is_initialized():
+                timeout = dt.timedelta(seconds=cfg.dist_timeout_s)
+                store = None  # torch's env:// rendezvous: a store on every interface, other machines reach it
+                if loopback.requested():  # one machine: a store on 127.0.0.1 only
+                    store = loopback.rank_store(rank, world_size, int(os.environ["MASTER_PORT"]), timeout)
                 dist.init_process_group(
                     backend="nccl" if device.type == "cuda" else "gloo",
-                    timeout=dt.timedelta(seconds=cfg.dist_timeout_s),
+                    timeout=timeout,
+                    store=store,
+                    rank=rank,
+                    world_size=world_size,
                 )
         return cls(device, cfg.precision, rank, local_rank, world_size, float(cfg.dist_timeout_s), cfg.grad_accum_steps)
 
