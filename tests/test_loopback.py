@@ -16,9 +16,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters, c10d_rend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
 from batchlab import loopback
-from tests.conftest import env_with_venv, free_port, run
+from tests.conftest import env_with_venv, free_port, run, set_params
 from tests.test_ddp import DDP, _rank_process, _wait_for_epoch
-from tests.test_pipeline import _set
 
 
 def _listening(proc: psutil.Process) -> list[tuple[str, int]]:
@@ -74,7 +73,7 @@ def test_agent_stores_listen_on_loopback_only_inside_the_context() -> None:
 
 @pytest.mark.slow
 def test_single_node_ddp_listens_on_loopback_only(repo_copy: Path) -> None:
-    _set(repo_copy, "train", **DDP, epochs=500, batch_size=16)  # trains long enough to be looked at
+    set_params(repo_copy, "train", **DDP, epochs=500, batch_size=16)  # trains long enough to be looked at
     run(["batchlab", "generate"], repo_copy)
     # gloo's sockets bind where the hostname resolves (loopback on some machines): point gloo at a
     # real interface, as a user's environment might, to see that a one-machine run overrides it
