@@ -15,7 +15,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.testing.utilities import prefect_test_harness
 
-from batchlab import orchestration, tracking
+from batchlab import orchestration, stages, sweep, tracking
 from batchlab.config import ConfigError
 from batchlab.data import DataError
 from tests.conftest import REPO, TINY, merge, run, write_params
@@ -160,3 +160,12 @@ def test_sweep_flow_runs_one_task_per_experiment(root: Path) -> None:
     assert len(parent) == 1 and len(children) == 3
     assert "Best F1: batch" in _artifact("batchlab-sweep")
     assert (root / "reports/sweep/summary.md").is_file()
+
+
+def test_sweep_flow_refuses_while_another_sweep_holds_the_folder(root: Path) -> None:
+    with sweep.exclusive(stages.Paths(root)):  # the lock `batchlab sweep` holds while it runs
+        state = sweep_flow.batch_size_sweep(root=str(root), return_state=True)
+    assert state.is_failed()
+    assert "another sweep is running in this folder" in str(state.message)
+    assert sorted(p.name for p in root.iterdir()) == [".batchlab", "params.yaml"]
+    assert [p.name for p in (root / ".batchlab").iterdir()] == ["sweep.lock"]

@@ -7,15 +7,17 @@ import math
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import yaml
 from mlflow import MlflowClient
 
 from batchlab import report, stages, sweep
 from batchlab.config import ConfigError
 from batchlab.train import initial_model
-from tests.conftest import env_with_venv, run, tiny_config, write_params
+from tests.conftest import env_with_venv, merge, run, tiny_config, write_params
 
 TRACK = {"enabled": True, "experiment": "sweep-test", "registered_model": ""}
 
@@ -149,3 +151,43 @@ def test_parallel_sweep_runs_experiments_in_processes_without_tracking_collision
     table = report.read_csv(workdir / "reports/sweep/summary.csv")
     assert all(r["seeds"] == "2" for r in table)
     assert "±" in (workdir / "reports/sweep/summary.md").read_text()  # mean ± std across seeds
+
+
+def _runs(uri: str) -> list[Any]:
+    client = MlflowClient(uri)
+    return client.search_runs([client.get_experiment_by_name("sweep-test").experiment_id])
+
+
+@pytest.mark.slow
+def test_second_sweep_in_the_same_folder_refuses_at_once(repo_copy: Path, tmp_path: Path) -> None:
+    uri = f"sqlite:///{repo_copy / 'mlflow.db'}"
+    params = yaml.safe_load((repo_copy / "params.yaml").read_text())
+    write_params(repo_copy, merge(params, {"tracking": {**TRACK, "tracking_uri": uri}, "sweep": {"epochs": 300}}))
+    run(["batchlab", "generate"], repo_copy)
+    with (tmp_path / "first.err").open("w") as err:
+        first = subprocess.Popen(["batchlab", "sweep"], cwd=repo_copy, env=env_with_venv(), stderr=err)
+    deadline = time.monotonic() + 120
+    while not (repo_copy / "sweep/state.json").exists() and time.monotonic() < deadline and first.poll() is None:
+        time.sleep(0.1)  # the first sweep has planned and opened its parent run
+    assert first.poll() is None, (tmp_path / "first.err").read_text()[-3000:]
+
+    started = time.monotonic()
+    second = run(["batchlab", "sweep"], repo_copy, check=False)
+    took = time.monotonic() - started
+    still_running = first.poll() is None
+    assert first.wait(timeout=300) == 0, (tmp_path / "first.err").read_text()[-3000:]
+    assert second.returncode == 1 and took < 30, (second.returncode, took, still_running, second.stderr[-3000:])
+    assert still_running, "the first sweep ended before the second one started: give it more epochs"
+    assert second.stderr.splitlines() == [
+        f"batchlab: error: another sweep is running in this folder (pid {first.pid}, lock .batchlab/sweep.lock); "
+        "wait for it or stop it"
+    ]
+    assert second.stdout == ""
+
+    runs = _runs(uri)
+    parents = [r for r in runs if r.data.tags.get("sweep") == "parent"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
+    assert len(parents) == 1 and len(children) == 3 and len(runs) == 4
+    assert all(r.info.status == "FINISHED" for r in runs)
+    assert len(list((repo_copy / "sweep/experiments").glob("*/result.json"))) == 3
+    assert [int(r["batch_size"]) for r in report.read_csv(repo_copy / "reports/sweep/summary.csv")] == [16, 32, 64]

@@ -1,12 +1,14 @@
 """Batch-size experiments: the same model, data, initial weights and epochs at every batch size.
 
 Each experiment is one MLflow child run under one parent run per sweep. Finished experiments
-leave a result.json, so an interrupted sweep resumes without redoing them.
+leave a result.json, so an interrupted sweep resumes without redoing them. One sweep at a time
+per folder: a second one is refused (SweepBusy).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import math
@@ -147,6 +149,37 @@ def lanes(experiments: list[Experiment], parallel: int) -> list[list[Experiment]
     return [experiments[i::parallel] for i in range(min(parallel, len(experiments)))]
 
 
+class SweepBusy(RuntimeError):
+    """Another sweep holds this folder's lock."""
+
+
+def lock_path(paths: stages.Paths) -> Path:
+    # outside sweep/ (a DVC output): the lock file must not change what DVC hashes
+    return paths.outputs / ".batchlab" / "sweep.lock"
+
+
+@contextlib.contextmanager
+def exclusive(paths: stages.Paths) -> Iterator[None]:
+    """Hold this folder's sweep lock, or refuse at once: two sweeps at once would train the same
+    experiments, resume from each other's half-written checkpoints and open two parent runs."""
+    path = lock_path(paths)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # no O_TRUNC: the holder's pid stays readable
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise SweepBusy(
+                f"another sweep is running in this folder (pid {owner}, lock {path}); wait for it or stop it"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock; the kernel releases it too when the process dies
+
+
 @dataclass
 class Sweep:
     experiments: list[Experiment]
@@ -164,7 +197,8 @@ def _state_path(paths: stages.Paths) -> Path:
 
 
 def prepare(cfg: Config, paths: stages.Paths) -> Sweep:
-    """Plan the experiments and find those an earlier, interrupted sweep already finished."""
+    """Plan the experiments and find those an earlier, interrupted sweep already finished.
+    Call it holding `exclusive`."""
     dataset = data.load(paths.data)
     experiments = plan(cfg, dataset.train.y.shape[0])
     data_hash = dataset.content_hash()
@@ -213,12 +247,12 @@ def finish(
 
 def run_sweep(cfg: Config, paths: stages.Paths) -> dict[str, Any]:
     """Run every experiment not already finished, then write and print the trade-off report."""
-    sweep = prepare(cfg, paths)
-    started = time.perf_counter()
-    results: dict[str, dict[str, Any]] = {}
-    with parent_run(cfg, paths, sweep) as parent, ThreadPoolExecutor(max_workers=cfg.sweep.parallel) as pool:
-        futures = {e.name: pool.submit(run_one, cfg, e, paths, parent.run_id) for e in sweep.todo}
-        results = {name: future.result() for name, future in futures.items()}
-        summary = finish(paths, sweep, results, parent, time.perf_counter() - started)
+    with exclusive(paths):
+        sweep = prepare(cfg, paths)
+        started = time.perf_counter()
+        with parent_run(cfg, paths, sweep) as parent, ThreadPoolExecutor(max_workers=cfg.sweep.parallel) as pool:
+            futures = {e.name: pool.submit(run_one, cfg, e, paths, parent.run_id) for e in sweep.todo}
+            results = {name: future.result() for name, future in futures.items()}
+            summary = finish(paths, sweep, results, parent, time.perf_counter() - started)
     print(summary["markdown"])
     return summary
