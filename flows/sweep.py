@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,6 @@ def batch_size_sweep(
         cfg, _ = orchestration.resolve(params, overrides, root)
         generate.with_options(refresh_cache=orchestration.refresh_generate(cfg, root))(cfg, root)
         plan = sweep.prepare(cfg, paths)
-        started = time.perf_counter()
         with sweep.parent_run(cfg, paths, plan) as parent:
             futures: list[tuple[str, PrefectFuture[dict[str, Any]]]] = []
             for lane in sweep.lanes(plan.todo, cfg.sweep.parallel):
@@ -49,9 +47,9 @@ def batch_size_sweep(
                     futures.append((exp.name, future))
                     previous = [future]
             results = {name: future.result() for name, future in futures}
-            summary = sweep.finish(paths, plan, results, parent, time.perf_counter() - started)
+            summary = sweep.finish(paths, plan, results, parent)
     create_markdown_artifact(
-        key="batchlab-sweep", markdown=f"**MLflow parent run:** `{parent.run_id}`\n\n{summary['markdown']}"
+        key="batchlab-sweep", markdown=f"**MLflow parent run:** `{plan.parent_run_id}`\n\n{summary['markdown']}"
     )
     return {k: v for k, v in summary.items() if k != "markdown"}
 

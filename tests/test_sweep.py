@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -110,7 +113,7 @@ def test_batch_not_dividing_across_ddp_ranks_is_rejected() -> None:
 
 
 @pytest.mark.slow
-def test_interrupted_sweep_resumes_without_redoing_finished_experiments(tmp_path: Path) -> None:
+def test_killed_sweep_resumes_without_redoing_finished_experiments_and_counts_both_attempts(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     params = tiny_config(tracking={**TRACK, "tracking_uri": uri}, sweep={"epochs": 20}).model_dump()
     write_params(tmp_path, params)
@@ -136,6 +139,11 @@ def test_interrupted_sweep_resumes_without_redoing_finished_experiments(tmp_path
     finished = sorted(r.data.params["train.batch_size"] for r in children if r.info.status == "FINISHED")
     assert finished == ["16", "32", "64"]
     assert client.get_run(parent).info.status == "FINISHED"
+    results = [json.loads(p.read_text()) for p in (tmp_path / "sweep/experiments").glob("*/result.json")]
+    written = json.loads((tmp_path / "reports/sweep/sweep.json").read_text())
+    assert written["sum_train_seconds"] == pytest.approx(sum(r["train_seconds"] for r in results))
+    # one experiment at a time: the wall time of both attempts covers each experiment's own time
+    assert written["sweep_wall_seconds"] >= sum(r["train_seconds"] + r["overhead_seconds"] for r in results)
 
 
 @pytest.mark.slow
@@ -153,9 +161,62 @@ def test_parallel_sweep_runs_experiments_in_processes_without_tracking_collision
     assert "±" in (workdir / "reports/sweep/summary.md").read_text()  # mean ± std across seeds
 
 
+def _md5s(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.md5(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
 def _runs(uri: str) -> list[Any]:
     client = MlflowClient(uri)
     return client.search_runs([client.get_experiment_by_name("sweep-test").experiment_id])
+
+
+def test_rerun_of_a_finished_sweep_changes_nothing(workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri})
+    paths = stages.Paths(workdir)
+    stages.generate(cfg, paths)
+    sweep.run_sweep(cfg, paths)
+    reports, state = workdir / "reports/sweep", workdir / "sweep/state.json"
+    before, state_before, n_runs = _md5s(reports), state.read_bytes(), len(_runs(uri))
+
+    caplog.set_level(logging.INFO, logger="batchlab")
+    sweep.run_sweep(cfg, paths)
+    assert "sweep: all 3 experiments already finished; nothing to do" in caplog.text
+    assert "resuming" not in caplog.text
+    assert _md5s(reports) == before and state.read_bytes() == state_before
+    assert len(_runs(uri)) == n_runs
+
+    # `dvc repro` deletes reports/sweep (cache: false) before the stage runs: the same bytes come back
+    for file in reports.iterdir():
+        file.unlink()
+    sweep.run_sweep(cfg, paths)
+    assert _md5s(reports) == before and len(_runs(uri)) == n_runs
+
+
+def test_resumed_sweep_reports_totals_over_every_experiment(workdir: Path) -> None:
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri})
+    paths = stages.Paths(workdir)
+    stages.generate(cfg, paths)
+    first = sweep.run_sweep(cfg, paths)
+    experiments = workdir / "sweep/experiments"
+    kept = {name: (experiments / name / "result.json").read_text() for name in ("bs16-seed0", "bs64-seed0")}
+    (experiments / "bs32-seed0/result.json").unlink()
+    runs_before = {r.info.run_id for r in _runs(uri)}
+
+    second = sweep.run_sweep(cfg, paths)
+    new = [r for r in _runs(uri) if r.info.run_id not in runs_before]
+    assert [r.info.run_name for r in new] == ["bs32-seed0"]  # only the missing experiment trained
+    assert {name: (experiments / name / "result.json").read_text() for name in kept} == kept
+    results = [json.loads(p.read_text()) for p in sorted(experiments.glob("*/result.json"))]
+    assert len(results) == 3
+    written = json.loads((workdir / "reports/sweep/sweep.json").read_text())
+    assert written["sum_train_seconds"] == pytest.approx(sum(r["train_seconds"] for r in results))
+    assert written["sum_train_seconds"] > max(r["train_seconds"] for r in results)
+    # the wall time of the first attempt is kept, the resume's is added
+    assert written["sweep_wall_seconds"] > first["sweep_wall_seconds"]
+    assert written["sweep_wall_seconds"] >= sum(r["train_seconds"] + r["overhead_seconds"] for r in results)
+    assert second["sweep_wall_seconds"] == written["sweep_wall_seconds"]
 
 
 @pytest.mark.slow
@@ -191,3 +252,20 @@ def test_second_sweep_in_the_same_folder_refuses_at_once(repo_copy: Path, tmp_pa
     assert all(r.info.status == "FINISHED" for r in runs)
     assert len(list((repo_copy / "sweep/experiments").glob("*/result.json"))) == 3
     assert [int(r["batch_size"]) for r in report.read_csv(repo_copy / "reports/sweep/summary.csv")] == [16, 32, 64]
+
+
+@pytest.mark.slow
+def test_dvc_rerun_of_a_finished_sweep_leaves_dvc_clean(repo_copy: Path) -> None:
+    run(["dvc", "repro", "sweep"], repo_copy)
+    lock, reports = (repo_copy / "dvc.lock").read_text(), _md5s(repo_copy / "reports/sweep")
+    run(["batchlab", "sweep"], repo_copy)
+    assert "up to date" in run(["dvc", "status", "sweep"], repo_copy).stdout
+    out = run(["dvc", "repro", "-f", "sweep"], repo_copy)
+    assert "all 3 experiments already finished; nothing to do" in out.stderr + out.stdout
+    assert (repo_copy / "dvc.lock").read_text() == lock and _md5s(repo_copy / "reports/sweep") == reports
+
+    shutil.rmtree(repo_copy / "sweep")  # what the README says re-measures
+    out = run(["dvc", "repro", "sweep"], repo_copy)
+    assert "Running stage 'sweep'" in out.stdout and "already finished" not in out.stderr + out.stdout
+    assert len(list((repo_copy / "sweep/experiments").glob("*/result.json"))) == 3
+    assert (repo_copy / "dvc.lock").read_text() != lock  # new measurements
