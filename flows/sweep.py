@@ -8,7 +8,6 @@ import os
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,23 +39,23 @@ def batch_size_sweep(
     params: str = "params.yaml", overrides: dict[str, Any] | None = None, root: str = "."
 ) -> dict[str, Any]:
     """Train at every sweep.batch_sizes under identical conditions; report the trade-off."""
-    cfg, _ = orchestration.resolve(params, overrides, root)
     paths = stages.Paths(Path(root))
-    generate.with_options(refresh_cache=orchestration.refresh_generate(cfg, root))(cfg, root)
-    plan = sweep.prepare(cfg, paths)
-    started = time.perf_counter()
-    with sweep.parent_run(cfg, paths, plan) as parent:
-        futures: list[tuple[str, PrefectFuture[dict[str, Any]]]] = []
-        for lane in sweep.lanes(plan.todo, cfg.sweep.parallel):
-            previous: list[PrefectFuture[dict[str, Any]]] = []
-            for exp in lane:  # one lane runs its experiments one after another
-                future = experiment.submit(cfg, exp, root, parent.run_id, wait_for=previous, return_state=False)
-                futures.append((exp.name, future))
-                previous = [future]
-        results = {name: future.result() for name, future in futures}
-        summary = sweep.finish(paths, plan, results, parent, time.perf_counter() - started)
+    with sweep.exclusive(paths):  # the lock `batchlab sweep` takes: one sweep per folder, flow or CLI
+        cfg, _ = orchestration.resolve(params, overrides, root)
+        generate.with_options(refresh_cache=orchestration.refresh_generate(cfg, root))(cfg, root)
+        plan = sweep.prepare(cfg, paths)
+        with sweep.parent_run(cfg, paths, plan) as parent:
+            futures: list[tuple[str, PrefectFuture[dict[str, Any]]]] = []
+            for lane in sweep.lanes(plan.todo, cfg.sweep.parallel):
+                previous: list[PrefectFuture[dict[str, Any]]] = []
+                for exp in lane:  # one lane runs its experiments one after another
+                    future = experiment.submit(cfg, exp, root, parent.run_id, wait_for=previous, return_state=False)
+                    futures.append((exp.name, future))
+                    previous = [future]
+            results = {name: future.result() for name, future in futures}
+            summary = sweep.finish(paths, plan, results, parent)
     create_markdown_artifact(
-        key="batchlab-sweep", markdown=f"**MLflow parent run:** `{parent.run_id}`\n\n{summary['markdown']}"
+        key="batchlab-sweep", markdown=f"**MLflow parent run:** `{plan.parent_run_id}`\n\n{summary['markdown']}"
     )
     return {k: v for k, v in summary.items() if k != "markdown"}
 

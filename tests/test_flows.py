@@ -14,7 +14,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.testing.utilities import prefect_test_harness
 
-from batchlab import orchestration, tracking
+from batchlab import orchestration, stages, sweep, tracking
 from batchlab.config import ConfigError
 from batchlab.data import DataError
 from tests.conftest import REPO, TINY, merge, run, wait_until, write_params
@@ -146,7 +146,7 @@ def test_flow_and_dvc_repro_give_the_same_metrics(repo_copy: Path) -> None:
     assert json.loads((repo_copy / "reports/metrics.json").read_text()) == from_dvc
 
 
-def test_sweep_flow_runs_one_task_per_experiment(root: Path) -> None:
+def test_sweep_flow_runs_one_task_per_experiment_then_none_on_rerun(root: Path) -> None:
     state = sweep_flow.batch_size_sweep(root=str(root), overrides={"sweep.parallel": 2}, return_state=True)
     assert state.is_completed()
     tasks = _task_runs(state.state_details.flow_run_id, expected=4)
@@ -158,3 +158,20 @@ def test_sweep_flow_runs_one_task_per_experiment(root: Path) -> None:
     assert len(parent) == 1 and len(children) == 3
     assert "Best F1: batch" in _artifact("batchlab-sweep")
     assert (root / "reports/sweep/summary.md").is_file()
+
+    reports = {p.name: p.read_bytes() for p in (root / "reports/sweep").iterdir()}
+    again = sweep_flow.batch_size_sweep(root=str(root), overrides={"sweep.parallel": 2}, return_state=True)
+    assert again.is_completed()
+    assert "experiment" not in _task_runs(again.state_details.flow_run_id, expected=1)
+    assert len(client.search_runs([runs[0].info.experiment_id])) == len(runs)
+    assert {p.name: p.read_bytes() for p in (root / "reports/sweep").iterdir()} == reports
+    assert parent[0].info.run_id in _artifact("batchlab-sweep")
+
+
+def test_sweep_flow_refuses_while_another_sweep_holds_the_folder(root: Path) -> None:
+    with sweep.exclusive(stages.Paths(root)):  # the lock `batchlab sweep` holds while it runs
+        state = sweep_flow.batch_size_sweep(root=str(root), return_state=True)
+    assert state.is_failed()
+    assert "another sweep is running in this folder" in str(state.message)
+    assert sorted(p.name for p in root.iterdir()) == [".batchlab", "params.yaml"]
+    assert [p.name for p in (root / ".batchlab").iterdir()] == ["sweep.lock"]

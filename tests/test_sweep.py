@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
+import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import yaml
 from mlflow import MlflowClient
 
 from batchlab import report, stages, sweep
 from batchlab.config import ConfigError
 from batchlab.train import initial_model
-from tests.conftest import env_with_venv, run, tiny_config, write_params
+from tests.conftest import env_with_venv, merge, run, tiny_config, write_params
 
 TRACK = {"enabled": True, "experiment": "sweep-test", "registered_model": ""}
 
@@ -108,7 +113,7 @@ def test_batch_not_dividing_across_ddp_ranks_is_rejected() -> None:
 
 
 @pytest.mark.slow
-def test_interrupted_sweep_resumes_without_redoing_finished_experiments(tmp_path: Path) -> None:
+def test_killed_sweep_resumes_without_redoing_finished_experiments_and_counts_both_attempts(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     params = tiny_config(tracking={**TRACK, "tracking_uri": uri}, sweep={"epochs": 20}).model_dump()
     write_params(tmp_path, params)
@@ -134,6 +139,11 @@ def test_interrupted_sweep_resumes_without_redoing_finished_experiments(tmp_path
     finished = sorted(r.data.params["train.batch_size"] for r in children if r.info.status == "FINISHED")
     assert finished == ["16", "32", "64"]
     assert client.get_run(parent).info.status == "FINISHED"
+    results = [json.loads(p.read_text()) for p in (tmp_path / "sweep/experiments").glob("*/result.json")]
+    written = json.loads((tmp_path / "reports/sweep/sweep.json").read_text())
+    assert written["sum_train_seconds"] == pytest.approx(sum(r["train_seconds"] for r in results))
+    # one experiment at a time: the wall time of both attempts covers each experiment's own time
+    assert written["sweep_wall_seconds"] >= sum(r["train_seconds"] + r["overhead_seconds"] for r in results)
 
 
 @pytest.mark.slow
@@ -149,3 +159,113 @@ def test_parallel_sweep_runs_experiments_in_processes_without_tracking_collision
     table = report.read_csv(workdir / "reports/sweep/summary.csv")
     assert all(r["seeds"] == "2" for r in table)
     assert "±" in (workdir / "reports/sweep/summary.md").read_text()  # mean ± std across seeds
+
+
+def _md5s(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.md5(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def _runs(uri: str) -> list[Any]:
+    client = MlflowClient(uri)
+    return client.search_runs([client.get_experiment_by_name("sweep-test").experiment_id])
+
+
+def test_rerun_of_a_finished_sweep_changes_nothing(workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri})
+    paths = stages.Paths(workdir)
+    stages.generate(cfg, paths)
+    sweep.run_sweep(cfg, paths)
+    reports, state = workdir / "reports/sweep", workdir / "sweep/state.json"
+    before, state_before, n_runs = _md5s(reports), state.read_bytes(), len(_runs(uri))
+
+    caplog.set_level(logging.INFO, logger="batchlab")
+    sweep.run_sweep(cfg, paths)
+    assert "sweep: all 3 experiments already finished; nothing to do" in caplog.text
+    assert "resuming" not in caplog.text
+    assert _md5s(reports) == before and state.read_bytes() == state_before
+    assert len(_runs(uri)) == n_runs
+
+    # `dvc repro` deletes reports/sweep (cache: false) before the stage runs: the same bytes come back
+    for file in reports.iterdir():
+        file.unlink()
+    sweep.run_sweep(cfg, paths)
+    assert _md5s(reports) == before and len(_runs(uri)) == n_runs
+
+
+def test_resumed_sweep_reports_totals_over_every_experiment(workdir: Path) -> None:
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri})
+    paths = stages.Paths(workdir)
+    stages.generate(cfg, paths)
+    first = sweep.run_sweep(cfg, paths)
+    experiments = workdir / "sweep/experiments"
+    kept = {name: (experiments / name / "result.json").read_text() for name in ("bs16-seed0", "bs64-seed0")}
+    (experiments / "bs32-seed0/result.json").unlink()
+    runs_before = {r.info.run_id for r in _runs(uri)}
+
+    second = sweep.run_sweep(cfg, paths)
+    new = [r for r in _runs(uri) if r.info.run_id not in runs_before]
+    assert [r.info.run_name for r in new] == ["bs32-seed0"]  # only the missing experiment trained
+    assert {name: (experiments / name / "result.json").read_text() for name in kept} == kept
+    results = [json.loads(p.read_text()) for p in sorted(experiments.glob("*/result.json"))]
+    assert len(results) == 3
+    written = json.loads((workdir / "reports/sweep/sweep.json").read_text())
+    assert written["sum_train_seconds"] == pytest.approx(sum(r["train_seconds"] for r in results))
+    assert written["sum_train_seconds"] > max(r["train_seconds"] for r in results)
+    # the wall time of the first attempt is kept, the resume's is added
+    assert written["sweep_wall_seconds"] > first["sweep_wall_seconds"]
+    assert written["sweep_wall_seconds"] >= sum(r["train_seconds"] + r["overhead_seconds"] for r in results)
+    assert second["sweep_wall_seconds"] == written["sweep_wall_seconds"]
+
+
+@pytest.mark.slow
+def test_second_sweep_in_the_same_folder_refuses_at_once(repo_copy: Path, tmp_path: Path) -> None:
+    uri = f"sqlite:///{repo_copy / 'mlflow.db'}"
+    params = yaml.safe_load((repo_copy / "params.yaml").read_text())
+    write_params(repo_copy, merge(params, {"tracking": {**TRACK, "tracking_uri": uri}, "sweep": {"epochs": 300}}))
+    run(["batchlab", "generate"], repo_copy)
+    with (tmp_path / "first.err").open("w") as err:
+        first = subprocess.Popen(["batchlab", "sweep"], cwd=repo_copy, env=env_with_venv(), stderr=err)
+    deadline = time.monotonic() + 120
+    while not (repo_copy / "sweep/state.json").exists() and time.monotonic() < deadline and first.poll() is None:
+        time.sleep(0.1)  # the first sweep has planned and opened its parent run
+    assert first.poll() is None, (tmp_path / "first.err").read_text()[-3000:]
+
+    started = time.monotonic()
+    second = run(["batchlab", "sweep"], repo_copy, check=False)
+    took = time.monotonic() - started
+    still_running = first.poll() is None
+    assert first.wait(timeout=300) == 0, (tmp_path / "first.err").read_text()[-3000:]
+    assert second.returncode == 1 and took < 30, (second.returncode, took, still_running, second.stderr[-3000:])
+    assert still_running, "the first sweep ended before the second one started: give it more epochs"
+    assert second.stderr.splitlines() == [
+        f"batchlab: error: another sweep is running in this folder (pid {first.pid}, lock .batchlab/sweep.lock); "
+        "wait for it or stop it"
+    ]
+    assert second.stdout == ""
+
+    runs = _runs(uri)
+    parents = [r for r in runs if r.data.tags.get("sweep") == "parent"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
+    assert len(parents) == 1 and len(children) == 3 and len(runs) == 4
+    assert all(r.info.status == "FINISHED" for r in runs)
+    assert len(list((repo_copy / "sweep/experiments").glob("*/result.json"))) == 3
+    assert [int(r["batch_size"]) for r in report.read_csv(repo_copy / "reports/sweep/summary.csv")] == [16, 32, 64]
+
+
+@pytest.mark.slow
+def test_dvc_rerun_of_a_finished_sweep_leaves_dvc_clean(repo_copy: Path) -> None:
+    run(["dvc", "repro", "sweep"], repo_copy)
+    lock, reports = (repo_copy / "dvc.lock").read_text(), _md5s(repo_copy / "reports/sweep")
+    run(["batchlab", "sweep"], repo_copy)
+    assert "up to date" in run(["dvc", "status", "sweep"], repo_copy).stdout
+    out = run(["dvc", "repro", "-f", "sweep"], repo_copy)
+    assert "all 3 experiments already finished; nothing to do" in out.stderr + out.stdout
+    assert (repo_copy / "dvc.lock").read_text() == lock and _md5s(repo_copy / "reports/sweep") == reports
+
+    shutil.rmtree(repo_copy / "sweep")  # what the README says re-measures
+    out = run(["dvc", "repro", "sweep"], repo_copy)
+    assert "Running stage 'sweep'" in out.stdout and "already finished" not in out.stderr + out.stdout
+    assert len(list((repo_copy / "sweep/experiments").glob("*/result.json"))) == 3
+    assert (repo_copy / "dvc.lock").read_text() != lock  # new measurements

@@ -1,12 +1,15 @@
 """Batch-size experiments: the same model, data, initial weights and epochs at every batch size.
 
 Each experiment is one MLflow child run under one parent run per sweep. Finished experiments
-leave a result.json, so an interrupted sweep resumes without redoing them.
+leave a result.json, so an interrupted sweep resumes without redoing them, and a finished one
+reruns as a no-op. One sweep at a time per folder: a second one is refused (SweepBusy).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import json
 import logging
 import math
@@ -15,7 +18,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -108,6 +111,7 @@ def run_experiment(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run
         "val_loss_curve": [h["val_loss"] for h in history],
     }
     result["overhead_seconds"] = time.perf_counter() - started - train_seconds
+    result["finished_at"] = time.time()  # what a killed sweep's next attempt counts its wall time up to
     with tracking.run(cfg.tracking, run_id=info.get("run_id"), enabled=info.get("run_id") is not None) as tracker:
         tracker.log_metrics({k: float(result[k]) for k in report.NUMERIC if k in result})
         tracker.set_tags({"sweep.batch_size": str(exp.batch_size), "sweep.seed": str(exp.seed)})
@@ -147,78 +151,167 @@ def lanes(experiments: list[Experiment], parallel: int) -> list[list[Experiment]
     return [experiments[i::parallel] for i in range(min(parallel, len(experiments)))]
 
 
+class SweepBusy(RuntimeError):
+    """Another sweep holds this folder's lock."""
+
+
+def lock_path(paths: stages.Paths) -> Path:
+    # outside sweep/ (a DVC output): the lock file must not change what DVC hashes
+    return paths.outputs / ".batchlab" / "sweep.lock"
+
+
+@contextlib.contextmanager
+def exclusive(paths: stages.Paths) -> Iterator[None]:
+    """Hold this folder's sweep lock, or refuse at once: two sweeps at once would train the same
+    experiments, resume from each other's half-written checkpoints and open two parent runs."""
+    path = lock_path(paths)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # no O_TRUNC: the holder's pid stays readable
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise SweepBusy(
+                f"another sweep is running in this folder (pid {owner}, lock {path}); wait for it or stop it"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock; the kernel releases it too when the process dies
+
+
 @dataclass
 class Sweep:
     experiments: list[Experiment]
     finished: dict[str, dict[str, Any]]
     key: str
-    parent_run_id: str | None  # the parent run of an interrupted sweep of the same settings
+    parent_run_id: str | None  # an earlier attempt's parent run (same settings), then the one in use
+    wall_seconds: float  # spent by earlier attempts of this sweep (same settings)
+    reported: str | None  # digest of the results an earlier attempt reported and logged
+    started: float = field(default_factory=time.perf_counter)
 
     @property
     def todo(self) -> list[Experiment]:
         return [e for e in self.experiments if e.name not in self.finished]
+
+    @property
+    def up_to_date(self) -> bool:
+        """Every experiment finished and these very results already reported: nothing to run or log."""
+        return not self.todo and self.reported == _digest(list(self.finished.values()))
+
+    def elapsed(self) -> float:
+        """Wall seconds of every attempt so far, this one included."""
+        return self.wall_seconds + time.perf_counter() - self.started
+
+
+def _digest(results: list[dict[str, Any]]) -> str:
+    ordered = sorted(results, key=lambda r: str(r["name"]))
+    return hashlib.sha256(json.dumps(ordered, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _state_path(paths: stages.Paths) -> Path:
     return paths.outputs / "sweep" / "state.json"
 
 
+def _save_state(
+    paths: stages.Paths, sweep: Sweep, wall_seconds: float, attempt_started_at: float | None, reported: str | None
+) -> None:
+    """`attempt_started_at` is set while an attempt runs: if it is still set when the next one
+    starts, the last one was killed (SIGKILL) before it could add its time to `wall_seconds`."""
+    state = {"sweep": sweep.key, "parent_run_id": sweep.parent_run_id, "wall_seconds": wall_seconds,
+             "attempt_started_at": attempt_started_at, "reported": reported}  # fmt: skip
+    atomic.write_json(_state_path(paths), state)
+
+
+def _earlier_wall_seconds(state: dict[str, Any], finished: dict[str, dict[str, Any]]) -> float:
+    wall = float(state.get("wall_seconds", 0.0))
+    killed_at = state.get("attempt_started_at")
+    if killed_at is not None:  # a killed attempt counts up to the last experiment it finished
+        ends = [r["finished_at"] for r in finished.values() if r.get("finished_at", 0.0) >= killed_at]
+        wall += max(ends) - killed_at if ends else 0.0
+    return wall
+
+
 def prepare(cfg: Config, paths: stages.Paths) -> Sweep:
-    """Plan the experiments and find those an earlier, interrupted sweep already finished."""
+    """Plan the experiments and find those an earlier sweep already finished. Call it holding `exclusive`."""
     dataset = data.load(paths.data)
     experiments = plan(cfg, dataset.train.y.shape[0])
     data_hash = dataset.content_hash()
     key = cfg.section_hash("model", "train", "sweep") + f"-{data_hash}"
     state = json.loads(_state_path(paths).read_text()) if _state_path(paths).is_file() else {}
+    if state.get("sweep") != key:
+        state = {}  # another sweep's: its parent run and wall time are not this one's
     finished = {}
     for exp in experiments:
         result_path = paths.outputs / "sweep" / "experiments" / exp.name / "result.json"
         done = _finished(result_path, fingerprint(cfg, exp, data_hash))
         if done:
             finished[exp.name] = done
-    if finished:
+    earlier = _earlier_wall_seconds(state, finished)
+    sweep = Sweep(experiments, finished, key, state.get("parent_run_id"), earlier, state.get("reported"))
+    if sweep.up_to_date:
+        log.info("sweep: all %d experiments already finished; nothing to do (delete %s/ to re-measure)",
+                 len(experiments), paths.outputs / "sweep")  # fmt: skip
+    elif finished:
         log.info("sweep: resuming, %d of %d experiments already finished", len(finished), len(experiments))
-    parent = state.get("parent_run_id") if state.get("sweep") == key else None
-    return Sweep(experiments, finished, key, parent)
+    return sweep
 
 
 @contextlib.contextmanager
 def parent_run(cfg: Config, paths: stages.Paths, sweep: Sweep) -> Iterator[tracking.Tracker]:
-    """The sweep's parent MLflow run, re-opened when resuming."""
+    """The sweep's parent MLflow run, re-opened when resuming; none when the sweep is up to date
+    (nothing new to log)."""
+    if sweep.up_to_date:
+        yield tracking.NullTracker()
+        return
     name = f"sweep-{'-'.join(map(str, cfg.sweep.batch_sizes))}"
     resuming = sweep.parent_run_id is not None
     with tracking.run(cfg.tracking, run_id=sweep.parent_run_id, name=None if resuming else name) as parent:
-        atomic.write_json(_state_path(paths), {"sweep": sweep.key, "parent_run_id": parent.run_id})
+        sweep.parent_run_id = parent.run_id
+        _save_state(paths, sweep, sweep.wall_seconds, attempt_started_at=time.time(), reported=None)
         if not resuming:
             parent.log_params({**cfg.flat(), "sweep.n_experiments": len(sweep.experiments)})
             parent.set_tags({"sweep": "parent", **tracking.environment_tags()})
-        yield parent
+        try:
+            yield parent
+        except BaseException:
+            # failed, Ctrl-C or SIGTERM: a resume adds to this attempt's time
+            _save_state(paths, sweep, sweep.elapsed(), attempt_started_at=None, reported=None)
+            raise
 
 
 def finish(
-    paths: stages.Paths, sweep: Sweep, results: dict[str, dict[str, Any]], parent: tracking.Tracker, seconds: float
+    paths: stages.Paths, sweep: Sweep, results: dict[str, dict[str, Any]], parent: tracking.Tracker
 ) -> dict[str, Any]:
-    """Write the report from every experiment's result and log it on the parent run."""
+    """Write the report from every experiment's result and log it on the parent run.
+
+    The report depends on the results and the stored wall time only, so an up-to-date sweep
+    rewrites the same bytes (`dvc repro` deletes reports/sweep before the stage runs)."""
     ordered = [{**sweep.finished, **results}[e.name] for e in sweep.experiments]
+    wall = sweep.wall_seconds if sweep.up_to_date else sweep.elapsed()
     folder = paths.reports / "sweep"
     summary = report.write(ordered, folder)
-    summary["sweep_wall_seconds"] = seconds
-    summary["sum_train_seconds"] = sum(r["train_seconds"] for r in results.values())
+    summary["sweep_wall_seconds"] = wall
+    summary["sum_train_seconds"] = sum(r["train_seconds"] for r in ordered)
     atomic.write_json(folder / "sweep.json", summary)
+    if sweep.up_to_date:
+        return summary
     parent.log_metrics({k: float(v) for k, v in summary.items() if isinstance(v, int | float)})
     for file in sorted(folder.iterdir()):
         parent.log_artifact(file, "sweep")
+    _save_state(paths, sweep, wall, attempt_started_at=None, reported=_digest(ordered))
     return summary
 
 
 def run_sweep(cfg: Config, paths: stages.Paths) -> dict[str, Any]:
     """Run every experiment not already finished, then write and print the trade-off report."""
-    sweep = prepare(cfg, paths)
-    started = time.perf_counter()
-    results: dict[str, dict[str, Any]] = {}
-    with parent_run(cfg, paths, sweep) as parent, ThreadPoolExecutor(max_workers=cfg.sweep.parallel) as pool:
-        futures = {e.name: pool.submit(run_one, cfg, e, paths, parent.run_id) for e in sweep.todo}
-        results = {name: future.result() for name, future in futures.items()}
-        summary = finish(paths, sweep, results, parent, time.perf_counter() - started)
+    with exclusive(paths):
+        sweep = prepare(cfg, paths)
+        with parent_run(cfg, paths, sweep) as parent, ThreadPoolExecutor(max_workers=cfg.sweep.parallel) as pool:
+            futures = {e.name: pool.submit(run_one, cfg, e, paths, parent.run_id) for e in sweep.todo}
+            results = {name: future.result() for name, future in futures.items()}
+            summary = finish(paths, sweep, results, parent)
     print(summary["markdown"])
     return summary
