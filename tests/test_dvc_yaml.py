@@ -80,7 +80,7 @@ def test_committed_dvc_lock_is_current_with_the_code_and_params(tmp_path: Path) 
     outputs = {
         next(iter(o)) if isinstance(o, dict) else o
         for stage in _stages().values()
-        for key in ("outs", "metrics")
+        for key in ("outs", "metrics", "plots")
         for o in stage.get(key, [])  # type: ignore[attr-defined]
     }
     stale = set()
