@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -11,7 +13,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 from mlflow import MlflowClient
 
 from batchlab import stages, tracking
@@ -251,3 +255,108 @@ def test_pipeline_logs_to_an_mlflow_server_on_postgresql(repo_copy: Path, mlflow
     assert r.data.metrics["test_f1_macro"] > 0.8
     assert r.data.params["train.epochs"] == "4"
     assert not (repo_copy / "mlflow.db").exists()  # the environment's URI won over params.yaml
+
+
+ORPHAN = textwrap.dedent(
+    """
+    import os, signal, sys
+    from batchlab import tracking
+    from batchlab.config import TrackingConfig
+    cfg = TrackingConfig(enabled=True, experiment="reap", tracking_uri=sys.argv[1])
+    with tracking.run(cfg, name="orphan") as t:
+        print(t.run_id, os.getpid(), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_runs_left_running_by_a_dead_process_of_this_host_end_killed(workdir: Path) -> None:
+    uri = _uri(workdir)
+    proc = subprocess.run([sys.executable, "-c", ORPHAN, uri], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    orphan, pid = proc.stdout.split()
+    client = MlflowClient(uri)
+    assert client.get_run(orphan).info.status == "RUNNING"  # what SIGKILL leaves behind
+    experiment = client.get_experiment_by_name("reap").experiment_id
+    host, started = socket.gethostname(), psutil.Process().create_time()
+
+    def owned_by(owner_host: str, owner_pid: int, owner_started: float) -> str:
+        tags = {"batchlab.owner.host": owner_host, "batchlab.owner.pid": str(owner_pid),
+                "batchlab.owner.started": f"{owner_started:.2f}"}  # fmt: skip
+        return str(client.create_run(experiment, tags=tags).info.run_id)
+
+    elsewhere = owned_by("elsewhere.invalid", int(pid), 1.0)  # maybe dead, but not ours to judge
+    recycled = owned_by(host, os.getpid(), started - 3600)  # this pid, but not this process
+    alive = owned_by(host, os.getpid(), started)
+
+    with tracking.run(TrackingConfig(**{**ON, "experiment": "reap", "tracking_uri": uri})):
+        pass
+    status = {name: client.get_run(r).info.status for name, r in
+              {"orphan": orphan, "recycled": recycled, "elsewhere": elsewhere, "alive": alive}.items()}  # fmt: skip
+    assert status == {"orphan": "KILLED", "recycled": "KILLED", "elsewhere": "RUNNING", "alive": "RUNNING"}
+    assert client.get_run(orphan).data.tags["batchlab.reaped"] == (
+        f"owner pid {pid} on {host} exited without ending the run (killed?)"
+    )
+    assert "the pid was reused since" in client.get_run(recycled).data.tags["batchlab.reaped"]
+
+
+def _checkpoint_epoch(checkpoint: Path) -> int:
+    try:
+        return int(torch.load(checkpoint, weights_only=True)["state"]["epoch"])
+    except (FileNotFoundError, RuntimeError, EOFError):  # not written yet
+        return 0
+
+
+def _wait_for_epoch(proc: subprocess.Popen[str], checkpoint: Path, epoch: int, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if _checkpoint_epoch(checkpoint) >= epoch:
+            return
+        time.sleep(0.05)
+    code = proc.poll()
+    proc.kill()
+    stderr = proc.communicate()[1][-3000:]
+    raise AssertionError(f"training did not reach epoch {epoch} in {timeout_s} s (exit code {code}): {stderr}")
+
+
+def _steps(client: MlflowClient, run_id: str, key: str = "val_loss") -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+@pytest.mark.slow
+def test_sigkilled_train_is_reaped_and_its_resumed_training_continues_the_same_run(repo_copy: Path) -> None:
+    from tests.test_pipeline import _set
+
+    _set(repo_copy, "tracking", enabled=True)
+    _set(repo_copy, "train", epochs=40, batch_size=16)
+    run(["batchlab", "generate"], repo_copy)
+    checkpoint = repo_copy / ".batchlab/checkpoints/train.pt"
+    proc = subprocess.Popen(
+        ["batchlab", "train"], cwd=repo_copy, env=env_with_venv(), stderr=subprocess.PIPE, text=True
+    )
+    _wait_for_epoch(proc, checkpoint, 3)
+    proc.kill()  # SIGKILL: no handler runs, nothing ends the run
+    proc.communicate()
+    client = MlflowClient(f"sqlite:///{repo_copy / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("batchlab").experiment_id
+    [killed] = client.search_runs([experiment])
+    assert killed.info.status == "RUNNING"
+
+    before = _steps(client, killed.info.run_id)  # what was written before the kill (a flush a second)
+
+    resumed = run(["batchlab", "train"], repo_copy)
+    assert "resuming from" in resumed.stderr
+    [after] = client.search_runs([experiment])  # continued, not a second run
+    assert after.info.run_id == killed.info.run_id
+    assert json.loads((repo_copy / "reports/train.json").read_text())["run_id"] == killed.info.run_id
+    assert after.info.status == "FINISHED"
+    assert (
+        after.data.tags["batchlab.reaped"]
+        == f"owner pid {proc.pid} on {socket.gethostname()} exited without ending the run (killed?)"
+    )
+    assert f"ended run {killed.info.run_id} as KILLED: owner pid {proc.pid}" in resumed.stderr
+    resumed_at = int(after.data.tags["batchlab.resumed_at_epoch"])
+    assert resumed_at >= 3 and before == list(range(1, len(before) + 1))
+    for key in ("val_loss", "train_loss", "val_accuracy"):
+        assert _steps(client, killed.info.run_id, key) == list(range(1, 41)), key  # every epoch once, no gap
+    assert not checkpoint.exists() and not (repo_copy / ".batchlab/checkpoints/train.pt.run").exists()

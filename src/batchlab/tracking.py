@@ -7,16 +7,19 @@ tracking disabled get a `NullTracker`, whose methods do nothing.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import subprocess
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from batchlab import ownership
 from batchlab.config import TrackingConfig
 
 if TYPE_CHECKING:
@@ -24,12 +27,25 @@ if TYPE_CHECKING:
 
     from batchlab.data import Dataset
 
+log = logging.getLogger(__name__)
+
 CHAMPION = "champion"
 WRITE_INTERVAL_S = 1.0
+REAPED = "batchlab.reaped"
+RESUMED = "batchlab.resumed_at_epoch"
+RESUMED_FROM = "batchlab.resumed_from_run"  # when that run could not be continued
 
 
 class TrackingUnavailable(RuntimeError):
     """The tracking backend cannot be reached; raised before any training starts."""
+
+
+@dataclass(frozen=True)
+class Resumable:
+    """The run of an interrupted training, and the epochs its checkpoint holds."""
+
+    run_id: str
+    epochs: list[dict[str, float]] = field(default_factory=list)
 
 
 class Tracker(Protocol):
@@ -190,6 +206,7 @@ class MlflowTracker:
         self.client = MlflowClient()
         self._pending: list[Any] = []  # epoch metrics not yet written
         self._last_write = time.monotonic()
+        self._recorded: dict[str, int] = {}  # a continued run: the last step each metric has already
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
@@ -202,7 +219,11 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._pending += [Metric(k, float(v), now, step) for k, v in metrics.items() if k != "epoch"]
+        self._pending += [
+            Metric(k, float(v), now, step)
+            for k, v in metrics.items()
+            if k != "epoch" and step > self._recorded.get(k, -1)
+        ]
         # one write per epoch, but at most one per second: a SQLite write costs ~7 ms, which is
         # 20% of a 30 ms epoch (an async write costs as much, through the GIL)
         if time.monotonic() - self._last_write >= WRITE_INTERVAL_S:
@@ -288,6 +309,22 @@ class MlflowTracker:
             return True
         return False
 
+    def skip_recorded_epochs(self) -> None:
+        """Epoch steps this run already holds are not written again (a resumed training replays them)."""
+        run = _retry_locked(self.client.get_run, self.run_id)
+        for key in run.data.metrics:
+            history = _retry_locked(self.client.get_metric_history, self.run_id, key)
+            self._recorded[key] = max((m.step for m in history), default=-1)
+
+    def continue_epochs(self, epochs: list[dict[str, float]]) -> None:
+        """A resumed training: record the epochs of its checkpoint that the killed process had not
+        written yet; the steps the run holds are not written twice."""
+        self.skip_recorded_epochs()
+        for row in epochs:
+            self.log_epoch(row, step=int(row["epoch"]))
+        self.flush()
+        self.set_tags({RESUMED: str(len(epochs))})
+
 
 @contextlib.contextmanager
 def _active(run_id: str) -> Iterator[None]:
@@ -307,7 +344,40 @@ def attach(cfg: TrackingConfig, run_id: str) -> Tracker:
     import mlflow
 
     mlflow.set_tracking_uri(resolve_uri(cfg))
-    return MlflowTracker(run_id, cfg)
+    tracker = MlflowTracker(run_id, cfg)
+    tracker.skip_recorded_epochs()  # a resumed training: the launcher has recorded the checkpoint's epochs
+    return tracker
+
+
+def _end_orphans(client: Any, experiment_id: str) -> list[str]:
+    """End as KILLED the RUNNING runs of this experiment whose owner process on this host is gone
+    (SIGKILL, the OOM killer); runs of other hosts are never touched. Returns their ids."""
+    host = socket.gethostname()
+    query = f"attributes.status = 'RUNNING' and tags.`{ownership.HOST}` = '{host}'"
+    ended = []
+    for found in _retry_locked(client.search_runs, [experiment_id], filter_string=query, max_results=1000):
+        run_id = found.info.run_id
+        note = ownership.owner_gone(found.data.tags)
+        if note is None:
+            continue
+        _retry_locked(client.set_tag, run_id, REAPED, note)
+        _retry_locked(client.set_terminated, run_id, "KILLED")
+        log.warning("tracking: ended run %s as KILLED: %s", run_id, note)
+        ended.append(run_id)
+    return ended
+
+
+def _continuable(client: Any, run_id: str, experiment_id: str) -> bool:
+    """A run a resumed training may continue: in this experiment, not deleted, ended unfinished."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        found = _retry_locked(client.get_run, run_id)
+    except MlflowException:
+        return False
+    info = found.info
+    unfinished = info.status in {"KILLED", "FAILED"}
+    return unfinished and info.experiment_id == experiment_id and info.lifecycle_stage == "active"
 
 
 @contextlib.contextmanager
@@ -339,12 +409,18 @@ def run(
     parent_run_id: str | None = None,
     tags: Mapping[str, str] | None = None,
     enabled: bool = True,
+    resume: Resumable | None = None,
 ) -> Iterator[Tracker]:
-    """Open (or re-open, by id) an MLflow run; end it FAILED on error, KILLED on Ctrl-C/SIGTERM."""
+    """Open (or re-open, by id) an MLflow run; end it FAILED on error, KILLED on Ctrl-C/SIGTERM.
+
+    First ends the runs that a dead process of this host left RUNNING. `resume`: an interrupted
+    training, whose run is continued when it ended unfinished (else a new run opens).
+    """
     if not (cfg.enabled and enabled):
         yield NullTracker()
         return
     import mlflow
+    from mlflow.tracking import MlflowClient
 
     uri = resolve_uri(cfg)
     check_reachable(uri)
@@ -353,17 +429,31 @@ def run(
         mlflow.set_system_metrics_sampling_interval(2)  # default 10 s misses short runs
     with _tracking_uri(uri):
         experiment = _retry_locked(mlflow.set_experiment, cfg.experiment)
+        client = MlflowClient(uri)
+        _end_orphans(client, experiment.experiment_id)  # one query: the RUNNING runs of this host
+        continuing = resume is not None and _continuable(client, resume.run_id, experiment.experiment_id)
+        if continuing and resume is not None:
+            run_id = resume.run_id
+        owner = ownership.owner_tags()
+        if run_id:  # owned before it turns RUNNING, so no other command takes it for an orphan
+            _retry_locked(client.log_batch, run_id, tags=[mlflow.entities.RunTag(k, v) for k, v in owner.items()])
         active = _retry_locked(
             mlflow.start_run,
             run_id=run_id,
             experiment_id=None if run_id else experiment.experiment_id,
             run_name=name,
             parent_run_id=parent_run_id,
-            tags=dict(tags or {}),
+            tags={**(tags or {}), **owner},
             log_system_metrics=cfg.system_metrics,
             nested=mlflow.active_run() is not None,  # a sweep's child inside its parent
         )
         tracker = MlflowTracker(active.info.run_id, cfg)
+        if resume is not None:  # the new run of a resumed training holds the checkpoint's epochs too
+            tracker.continue_epochs(resume.epochs)
+            if continuing:
+                log.info("tracking: continuing run %s after epoch %d", tracker.run_id, len(resume.epochs))
+            else:
+                tracker.set_tags({RESUMED_FROM: resume.run_id})
         try:
             yield tracker
             tracker.flush()
