@@ -189,9 +189,42 @@ def _postgres_available() -> bool:
         return False
 
 
+class MlflowServer:
+    """`mlflow server` on a fixed 127.0.0.1 port over one PostgreSQL database: kill it, start it again."""
+
+    def __init__(self, folder: Path, db: str) -> None:
+        self.folder, self.db = folder, db
+        self.uri = f"http://127.0.0.1:{free_port()}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        port = self.uri.rsplit(":", 1)[1]
+        store = f"postgresql+psycopg2://postgres@127.0.0.1:5432/{self.db}"
+        cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", port, "--workers", "1",
+               "--backend-store-uri", store, "--artifacts-destination", str(self.folder / "artifacts")]  # fmt: skip
+        with open(self.folder / "server.log", "a") as log:
+            # its own process group: `mlflow server` runs uvicorn as a child, and kill() takes both
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                tracking.check_reachable(self.uri, timeout_s=1)
+                return
+            except tracking.TrackingUnavailable:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError((self.folder / "server.log").read_text()[-3000:]) from None
+                time.sleep(0.5)
+
+    def kill(self) -> None:
+        """The server dies at once, as when its machine goes away."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
 @pytest.fixture
-def mlflow_server(tmp_path: Path) -> Iterator[str]:
-    """`mlflow server` on a free 127.0.0.1 port, runs in a fresh PostgreSQL database."""
+def server(tmp_path: Path) -> Iterator[MlflowServer]:
+    """A started MlflowServer whose runs go to a fresh PostgreSQL database."""
     if not _postgres_available():
         pytest.skip("no PostgreSQL answers at 127.0.0.1:5432 (start it to run the tracking-server test)")
     import uuid
@@ -202,44 +235,19 @@ def mlflow_server(tmp_path: Path) -> Iterator[str]:
     admin = psycopg2.connect(host="127.0.0.1", port=5432, user="postgres", dbname="postgres")
     admin.autocommit = True
     admin.cursor().execute(f"CREATE DATABASE {db}")
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-            "--backend-store-uri",
-            f"postgresql+psycopg2://postgres@127.0.0.1:5432/{db}",
-            "--artifacts-destination",
-            str(tmp_path / "artifacts"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "server.log", "w"),  # noqa: SIM115
-    )
-    uri = f"http://127.0.0.1:{port}"
+    running = MlflowServer(tmp_path, db)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                tracking.check_reachable(uri, timeout_s=1)
-                break
-            except tracking.TrackingUnavailable:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError((tmp_path / "server.log").read_text()[-3000:]) from None
-                time.sleep(0.5)
-        yield uri
+        running.start()
+        yield running
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        running.kill()
         admin.cursor().execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
         admin.close()
+
+
+@pytest.fixture
+def mlflow_server(server: MlflowServer) -> str:
+    return server.uri
 
 
 @pytest.mark.slow
@@ -360,3 +368,76 @@ def test_sigkilled_train_is_reaped_and_its_resumed_training_continues_the_same_r
     for key in ("val_loss", "train_loss", "val_accuracy"):
         assert _steps(client, killed.info.run_id, key) == list(range(1, 41)), key  # every epoch once, no gap
     assert not checkpoint.exists() and not (repo_copy / ".batchlab/checkpoints/train.pt.run").exists()
+
+
+SLOW_EPOCHS = {"samples": 10000}  # ~0.4 s epochs here: the server dies and returns while training runs
+
+
+@pytest.mark.slow
+def test_training_outlives_a_tracking_server_restart_and_records_every_epoch(
+    repo_copy: Path, server: MlflowServer
+) -> None:
+    from tests.test_pipeline import _set
+
+    _set(repo_copy, "tracking", enabled=True)
+    _set(repo_copy, "data", **SLOW_EPOCHS)
+    _set(repo_copy, "train", epochs=120, batch_size=16)
+    run(["batchlab", "generate"], repo_copy)
+    checkpoint = repo_copy / ".batchlab/checkpoints/train.pt"
+    # the end of the run waits up to 180 s for the server: it may take that long to start on a busy machine
+    env = env_with_venv(MLFLOW_TRACKING_URI=server.uri, BATCHLAB_TRACKING_WAIT_S="180")
+    proc = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env, stderr=subprocess.PIPE, text=True)
+    _wait_for_epoch(proc, checkpoint, 2)
+    server.kill()
+    down_at = _checkpoint_epoch(checkpoint)
+    _wait_for_epoch(proc, checkpoint, down_at + 5, timeout_s=20)  # no epoch waits for the dead server
+    server.start()  # takes ~30 s here: training goes on meanwhile, or waits at its end if it got there
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert (repo_copy / "models/model.pt").is_file()
+    assert f"tracking: {server.uri} is unreachable" in stderr and "answers again" in stderr
+    assert "not recorded" not in stderr
+    client = MlflowClient(server.uri)
+    run_id = json.loads((repo_copy / "reports/train.json").read_text())["run_id"]
+    r = client.get_run(run_id)
+    assert r.info.status == "FINISHED"
+    assert _steps(client, run_id) == list(range(1, 121))
+    assert {a.path for a in client.list_artifacts(run_id)} >= {"history.csv"}
+
+
+@pytest.mark.slow
+def test_a_tracking_server_that_stays_down_costs_no_model_and_its_metrics_are_sent_later(
+    repo_copy: Path, server: MlflowServer
+) -> None:
+    from tests.test_pipeline import _set
+
+    _set(repo_copy, "tracking", enabled=True)
+    _set(repo_copy, "data", **SLOW_EPOCHS)
+    _set(repo_copy, "train", epochs=12, batch_size=16)
+    run(["batchlab", "generate"], repo_copy)
+    checkpoint = repo_copy / ".batchlab/checkpoints/train.pt"
+    env = env_with_venv(MLFLOW_TRACKING_URI=server.uri, BATCHLAB_TRACKING_WAIT_S="5")
+    proc = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env, stderr=subprocess.PIPE, text=True)
+    _wait_for_epoch(proc, checkpoint, 2)
+    server.kill()
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert (repo_copy / "models/model.pt").is_file()
+    run_id = json.loads((repo_copy / "reports/train.json").read_text())["run_id"]
+    kept = repo_copy / ".batchlab/unrecorded" / f"{run_id}.json"
+    [warning] = [line for line in stderr.splitlines() if "not recorded" in line]
+    assert warning.startswith(
+        f"batchlab: warning: tracking backend {server.uri} was unreachable; not recorded in run {run_id}: "
+    )
+    assert f"metric values (kept in .batchlab/unrecorded/{run_id}.json;" in warning
+    assert "the model; history.csv; the end of the run (FINISHED)" in warning
+    assert "Traceback" not in stderr
+    assert kept.is_file()
+
+    server.start()  # back later: the next command that opens the run sends what was kept
+    run(["batchlab", "evaluate"], repo_copy, MLFLOW_TRACKING_URI=server.uri)
+    client = MlflowClient(server.uri)
+    assert _steps(client, run_id) == list(range(1, 13))
+    r = client.get_run(run_id)
+    assert r.info.status == "FINISHED" and "test_f1_macro" in r.data.metrics
+    assert not kept.exists()
