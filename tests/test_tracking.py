@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -11,7 +13,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 from mlflow import MlflowClient
 
 from batchlab import stages, tracking
@@ -185,9 +189,42 @@ def _postgres_available() -> bool:
         return False
 
 
+class MlflowServer:
+    """`mlflow server` on a fixed 127.0.0.1 port over one PostgreSQL database: kill it, start it again."""
+
+    def __init__(self, folder: Path, db: str) -> None:
+        self.folder, self.db = folder, db
+        self.uri = f"http://127.0.0.1:{free_port()}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        port = self.uri.rsplit(":", 1)[1]
+        store = f"postgresql+psycopg2://postgres@127.0.0.1:5432/{self.db}"
+        cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", port, "--workers", "1",
+               "--backend-store-uri", store, "--artifacts-destination", str(self.folder / "artifacts")]  # fmt: skip
+        with open(self.folder / "server.log", "a") as log:
+            # its own process group: `mlflow server` runs uvicorn as a child, and kill() takes both
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                tracking.check_reachable(self.uri, timeout_s=1)
+                return
+            except tracking.TrackingUnavailable:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError((self.folder / "server.log").read_text()[-3000:]) from None
+                time.sleep(0.5)
+
+    def kill(self) -> None:
+        """The server dies at once, as when its machine goes away."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
 @pytest.fixture
-def mlflow_server(tmp_path: Path) -> Iterator[str]:
-    """`mlflow server` on a free 127.0.0.1 port, runs in a fresh PostgreSQL database."""
+def server(tmp_path: Path) -> Iterator[MlflowServer]:
+    """A started MlflowServer whose runs go to a fresh PostgreSQL database."""
     if not _postgres_available():
         pytest.skip("no PostgreSQL answers at 127.0.0.1:5432 (start it to run the tracking-server test)")
     import uuid
@@ -198,44 +235,19 @@ def mlflow_server(tmp_path: Path) -> Iterator[str]:
     admin = psycopg2.connect(host="127.0.0.1", port=5432, user="postgres", dbname="postgres")
     admin.autocommit = True
     admin.cursor().execute(f"CREATE DATABASE {db}")
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-            "--backend-store-uri",
-            f"postgresql+psycopg2://postgres@127.0.0.1:5432/{db}",
-            "--artifacts-destination",
-            str(tmp_path / "artifacts"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "server.log", "w"),  # noqa: SIM115
-    )
-    uri = f"http://127.0.0.1:{port}"
+    running = MlflowServer(tmp_path, db)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                tracking.check_reachable(uri, timeout_s=1)
-                break
-            except tracking.TrackingUnavailable:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError((tmp_path / "server.log").read_text()[-3000:]) from None
-                time.sleep(0.5)
-        yield uri
+        running.start()
+        yield running
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        running.kill()
         admin.cursor().execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
         admin.close()
+
+
+@pytest.fixture
+def mlflow_server(server: MlflowServer) -> str:
+    return server.uri
 
 
 @pytest.mark.slow
@@ -251,3 +263,181 @@ def test_pipeline_logs_to_an_mlflow_server_on_postgresql(repo_copy: Path, mlflow
     assert r.data.metrics["test_f1_macro"] > 0.8
     assert r.data.params["train.epochs"] == "4"
     assert not (repo_copy / "mlflow.db").exists()  # the environment's URI won over params.yaml
+
+
+ORPHAN = textwrap.dedent(
+    """
+    import os, signal, sys
+    from batchlab import tracking
+    from batchlab.config import TrackingConfig
+    cfg = TrackingConfig(enabled=True, experiment="reap", tracking_uri=sys.argv[1])
+    with tracking.run(cfg, name="orphan") as t:
+        print(t.run_id, os.getpid(), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_runs_left_running_by_a_dead_process_of_this_host_end_killed(workdir: Path) -> None:
+    uri = _uri(workdir)
+    proc = subprocess.run([sys.executable, "-c", ORPHAN, uri], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    orphan, pid = proc.stdout.split()
+    client = MlflowClient(uri)
+    assert client.get_run(orphan).info.status == "RUNNING"  # what SIGKILL leaves behind
+    experiment = client.get_experiment_by_name("reap").experiment_id
+    host, started = socket.gethostname(), psutil.Process().create_time()
+
+    def owned_by(owner_host: str, owner_pid: int, owner_started: float) -> str:
+        tags = {"batchlab.owner.host": owner_host, "batchlab.owner.pid": str(owner_pid),
+                "batchlab.owner.started": f"{owner_started:.2f}"}  # fmt: skip
+        return str(client.create_run(experiment, tags=tags).info.run_id)
+
+    elsewhere = owned_by("elsewhere.invalid", int(pid), 1.0)  # maybe dead, but not ours to judge
+    recycled = owned_by(host, os.getpid(), started - 3600)  # this pid, but not this process
+    alive = owned_by(host, os.getpid(), started)
+
+    with tracking.run(TrackingConfig(**{**ON, "experiment": "reap", "tracking_uri": uri})):
+        pass
+    status = {name: client.get_run(r).info.status for name, r in
+              {"orphan": orphan, "recycled": recycled, "elsewhere": elsewhere, "alive": alive}.items()}  # fmt: skip
+    assert status == {"orphan": "KILLED", "recycled": "KILLED", "elsewhere": "RUNNING", "alive": "RUNNING"}
+    assert client.get_run(orphan).data.tags["batchlab.reaped"] == (
+        f"owner pid {pid} on {host} exited without ending the run (killed?)"
+    )
+    assert "the pid was reused since" in client.get_run(recycled).data.tags["batchlab.reaped"]
+
+
+def _checkpoint_epoch(checkpoint: Path) -> int:
+    try:
+        return int(torch.load(checkpoint, weights_only=True)["state"]["epoch"])
+    except (FileNotFoundError, RuntimeError, EOFError):  # not written yet
+        return 0
+
+
+def _wait_for_epoch(proc: subprocess.Popen[str], checkpoint: Path, epoch: int, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if _checkpoint_epoch(checkpoint) >= epoch:
+            return
+        time.sleep(0.05)
+    code = proc.poll()
+    proc.kill()
+    stderr = proc.communicate()[1][-3000:]
+    raise AssertionError(f"training did not reach epoch {epoch} in {timeout_s} s (exit code {code}): {stderr}")
+
+
+def _steps(client: MlflowClient, run_id: str, key: str = "val_loss") -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+@pytest.mark.slow
+def test_sigkilled_train_is_reaped_and_its_resumed_training_continues_the_same_run(repo_copy: Path) -> None:
+    from tests.test_pipeline import _set
+
+    _set(repo_copy, "tracking", enabled=True)
+    _set(repo_copy, "train", epochs=40, batch_size=16)
+    run(["batchlab", "generate"], repo_copy)
+    checkpoint = repo_copy / ".batchlab/checkpoints/train.pt"
+    proc = subprocess.Popen(
+        ["batchlab", "train"], cwd=repo_copy, env=env_with_venv(), stderr=subprocess.PIPE, text=True
+    )
+    _wait_for_epoch(proc, checkpoint, 3)
+    proc.kill()  # SIGKILL: no handler runs, nothing ends the run
+    proc.communicate()
+    client = MlflowClient(f"sqlite:///{repo_copy / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("batchlab").experiment_id
+    [killed] = client.search_runs([experiment])
+    assert killed.info.status == "RUNNING"
+
+    before = _steps(client, killed.info.run_id)  # what was written before the kill (a flush a second)
+
+    resumed = run(["batchlab", "train"], repo_copy)
+    assert "resuming from" in resumed.stderr
+    [after] = client.search_runs([experiment])  # continued, not a second run
+    assert after.info.run_id == killed.info.run_id
+    assert json.loads((repo_copy / "reports/train.json").read_text())["run_id"] == killed.info.run_id
+    assert after.info.status == "FINISHED"
+    assert (
+        after.data.tags["batchlab.reaped"]
+        == f"owner pid {proc.pid} on {socket.gethostname()} exited without ending the run (killed?)"
+    )
+    assert f"ended run {killed.info.run_id} as KILLED: owner pid {proc.pid}" in resumed.stderr
+    resumed_at = int(after.data.tags["batchlab.resumed_at_epoch"])
+    assert resumed_at >= 3 and before == list(range(1, len(before) + 1))
+    for key in ("val_loss", "train_loss", "val_accuracy"):
+        assert _steps(client, killed.info.run_id, key) == list(range(1, 41)), key  # every epoch once, no gap
+    assert not checkpoint.exists() and not (repo_copy / ".batchlab/checkpoints/train.pt.run").exists()
+
+
+SLOW_EPOCHS = {"samples": 10000}  # ~0.4 s epochs here: the server dies and returns while training runs
+
+
+@pytest.mark.slow
+def test_training_outlives_a_tracking_server_restart_and_records_every_epoch(
+    repo_copy: Path, server: MlflowServer
+) -> None:
+    from tests.test_pipeline import _set
+
+    _set(repo_copy, "tracking", enabled=True)
+    _set(repo_copy, "data", **SLOW_EPOCHS)
+    _set(repo_copy, "train", epochs=120, batch_size=16)
+    run(["batchlab", "generate"], repo_copy)
+    checkpoint = repo_copy / ".batchlab/checkpoints/train.pt"
+    # the end of the run waits up to 180 s for the server: it may take that long to start on a busy machine
+    env = env_with_venv(MLFLOW_TRACKING_URI=server.uri, BATCHLAB_TRACKING_WAIT_S="180")
+    proc = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env, stderr=subprocess.PIPE, text=True)
+    _wait_for_epoch(proc, checkpoint, 2)
+    server.kill()
+    down_at = _checkpoint_epoch(checkpoint)
+    _wait_for_epoch(proc, checkpoint, down_at + 5, timeout_s=20)  # no epoch waits for the dead server
+    server.start()  # takes ~30 s here: training goes on meanwhile, or waits at its end if it got there
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert (repo_copy / "models/model.pt").is_file()
+    assert f"tracking: {server.uri} is unreachable" in stderr and "answers again" in stderr
+    assert "not recorded" not in stderr
+    client = MlflowClient(server.uri)
+    run_id = json.loads((repo_copy / "reports/train.json").read_text())["run_id"]
+    r = client.get_run(run_id)
+    assert r.info.status == "FINISHED"
+    assert _steps(client, run_id) == list(range(1, 121))
+    assert {a.path for a in client.list_artifacts(run_id)} >= {"history.csv"}
+
+
+@pytest.mark.slow
+def test_a_tracking_server_that_stays_down_costs_no_model_and_its_metrics_are_sent_later(
+    repo_copy: Path, server: MlflowServer
+) -> None:
+    from tests.test_pipeline import _set
+
+    _set(repo_copy, "tracking", enabled=True)
+    _set(repo_copy, "data", **SLOW_EPOCHS)
+    _set(repo_copy, "train", epochs=12, batch_size=16)
+    run(["batchlab", "generate"], repo_copy)
+    checkpoint = repo_copy / ".batchlab/checkpoints/train.pt"
+    env = env_with_venv(MLFLOW_TRACKING_URI=server.uri, BATCHLAB_TRACKING_WAIT_S="5")
+    proc = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env, stderr=subprocess.PIPE, text=True)
+    _wait_for_epoch(proc, checkpoint, 2)
+    server.kill()
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert (repo_copy / "models/model.pt").is_file()
+    run_id = json.loads((repo_copy / "reports/train.json").read_text())["run_id"]
+    kept = repo_copy / ".batchlab/unrecorded" / f"{run_id}.json"
+    [warning] = [line for line in stderr.splitlines() if "not recorded" in line]
+    assert warning.startswith(
+        f"batchlab: warning: tracking backend {server.uri} was unreachable; not recorded in run {run_id}: "
+    )
+    assert f"metric values (kept in .batchlab/unrecorded/{run_id}.json;" in warning
+    assert "the model; history.csv; the end of the run (FINISHED)" in warning
+    assert "Traceback" not in stderr
+    assert kept.is_file()
+
+    server.start()  # back later: the next command that opens the run sends what was kept
+    run(["batchlab", "evaluate"], repo_copy, MLFLOW_TRACKING_URI=server.uri)
+    client = MlflowClient(server.uri)
+    assert _steps(client, run_id) == list(range(1, 13))
+    r = client.get_run(run_id)
+    assert r.info.status == "FINISHED" and "test_f1_macro" in r.data.metrics
+    assert not kept.exists()

@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchlab import atomic, data, export, launch, report, tracking
+from batchlab import atomic, data, export, launch, report, resume, tracking
 from batchlab import config as config_module
 from batchlab.config import Config, ConfigError
 from batchlab.model import load_model, save_model
 from batchlab.strategy import check_supported, resolve_device, started
-from batchlab.train import fit, steps_per_epoch
+from batchlab.train import fingerprint, fit, steps_per_epoch
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +135,13 @@ def train(
     tc = cfg.train
     name = name or f"bs{tc.batch_size}-lr{tc.lr:g}-{tc.strategy}-{tc.precision}"
     tags = {**tracking.environment_tags(), **(tags or {})}
-    with tracking.run(cfg.tracking, name=name, parent_run_id=parent_run_id, tags=tags) as tracker:
-        tracker.log_params(cfg.flat())
-        tracker.log_datasets(dataset, cfg.data.source)
+    # a training resumed from its checkpoint continues the run of the killed one
+    previous = resume.find(paths.checkpoint, fingerprint(cfg, dataset))
+    with tracking.run(cfg.tracking, name=name, parent_run_id=parent_run_id, tags=tags, resume=previous) as tracker:
+        resume.remember(paths.checkpoint, tracker.run_id)
+        if previous is None or tracker.run_id != previous.run_id:  # a continued run has them already
+            tracker.log_params(cfg.flat())
+            tracker.log_datasets(dataset, cfg.data.source)
         tracker.set_tags({f"train.{k}": v for k, v in _strategy_tags(cfg).items()})
         launch.start_ranks(
             cfg.train, worker_args, paths.root, tracker.run_id, lambda: train_worker(cfg, paths, tracker, dataset)
@@ -148,6 +152,7 @@ def train(
         info = {"run_id": tracker.run_id, "model_uri": model_uri,
                 **json.loads((paths.reports / "train_summary.json").read_text())}  # fmt: skip
         atomic.write_json(paths.run_info, info)
+    resume.forget(paths.checkpoint)
     return info
 
 
