@@ -9,9 +9,9 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -20,7 +20,7 @@ from mlflow import MlflowClient
 
 from batchlab import stages, tracking
 from batchlab.config import Config, TrackingConfig
-from tests.conftest import env_with_venv, free_port, run, tiny_config
+from tests.conftest import WAIT_S, env_with_venv, free_port, run, set_params, tiny_config, wait_until
 
 ON = {"enabled": True, "experiment": "test", "registered_model": "tiny-mlp"}
 
@@ -36,13 +36,6 @@ def _pipeline(cfg: Config, root: Path) -> str:
     stages.evaluate_stage(cfg, paths)
     stages.export_stage(cfg, paths)
     return str(info["run_id"])
-
-
-@pytest.fixture
-def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    return tmp_path
 
 
 def test_one_run_holds_params_epochs_evaluation_models_and_lineage(workdir: Path) -> None:
@@ -105,41 +98,37 @@ def test_an_exception_ends_the_run_failed_with_the_error(workdir: Path) -> None:
 
 def test_system_metrics_are_sampled_when_enabled(workdir: Path) -> None:
     cfg = TrackingConfig(**{**ON, "tracking_uri": _uri(workdir), "system_metrics": True})
+    client = MlflowClient(_uri(workdir))
     with tracking.run(cfg) as tracker:
         run_id = str(tracker.run_id)
-        time.sleep(4.5)  # the sampler writes every 2 s
-    metrics = MlflowClient(_uri(workdir)).get_run(run_id).data.metrics
-    assert any(k.startswith("system/cpu_utilization") for k in metrics), sorted(metrics)
-    assert any(k.startswith("system/system_memory_usage") for k in metrics), sorted(metrics)
+
+        def sampled() -> bool:  # the sampler writes every 2 s: however slow the machine, wait for it
+            keys = client.get_run(run_id).data.metrics
+            return all(any(k.startswith(f"system/{m}") for k in keys) for m in ("cpu_utilization", "system_memory"))
+
+        wait_until(sampled, "system metrics in the run", interval=0.5)
 
 
 @pytest.mark.slow
 def test_sigterm_ends_the_run_killed(repo_copy: Path) -> None:
-    from tests.test_pipeline import _set
-
-    _set(repo_copy, "tracking", enabled=True)
-    _set(repo_copy, "train", epochs=500, batch_size=16)
+    set_params(repo_copy, "tracking", enabled=True)
+    set_params(repo_copy, "train", epochs=500, batch_size=16)
     run(["batchlab", "generate"], repo_copy)
     proc = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env_with_venv(), stderr=subprocess.PIPE)
     client = MlflowClient(f"sqlite:///{repo_copy / 'mlflow.db'}")
-    deadline = time.monotonic() + 120
-    runs: list = []
-    while time.monotonic() < deadline and not runs:
-        time.sleep(0.5)
-        if (repo_copy / "mlflow.db").exists():
-            exp = client.get_experiment_by_name("batchlab")
-            runs = client.search_runs([exp.experiment_id]) if exp else []
-            runs = [r for r in runs if "val_loss" in r.data.metrics]
-    assert runs and proc.poll() is None
+
+    def logging_epochs() -> list[Any]:
+        runs = client.search_runs([client.get_experiment_by_name("batchlab").experiment_id])
+        return [r for r in runs if "val_loss" in r.data.metrics]
+
+    runs = wait_until(logging_epochs, "a run logging epochs", interval=0.5, process=proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 130
     assert client.get_run(runs[0].info.run_id).info.status == "KILLED"
 
 
 def test_unreachable_server_is_reported_before_training(repo_copy: Path) -> None:
-    from tests.test_pipeline import _set
-
-    _set(repo_copy, "tracking", enabled=True)
+    set_params(repo_copy, "tracking", enabled=True)
     run(["batchlab", "generate"], repo_copy)
     proc = run(["batchlab", "train"], repo_copy, check=False, MLFLOW_TRACKING_URI="http://127.0.0.1:9")
     assert proc.returncode == 1
@@ -205,15 +194,13 @@ class MlflowServer:
         with open(self.folder / "server.log", "a") as log:
             # its own process group: `mlflow server` runs uvicorn as a child, and kill() takes both
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                tracking.check_reachable(self.uri, timeout_s=1)
-                return
-            except tracking.TrackingUnavailable:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError((self.folder / "server.log").read_text()[-3000:]) from None
-                time.sleep(0.5)
+        wait_until(
+            lambda: tracking.check_reachable(self.uri, timeout_s=1) is None,
+            f"mlflow server {self.uri}",
+            interval=0.5,
+            process=self.proc,
+            log=self.folder / "server.log",
+        )
 
     def kill(self) -> None:
         """The server dies at once, as when its machine goes away."""
@@ -252,9 +239,7 @@ def mlflow_server(server: MlflowServer) -> str:
 
 @pytest.mark.slow
 def test_pipeline_logs_to_an_mlflow_server_on_postgresql(repo_copy: Path, mlflow_server: str) -> None:
-    from tests.test_pipeline import _set
-
-    _set(repo_copy, "tracking", enabled=True)
+    set_params(repo_copy, "tracking", enabled=True)
     for stage in ("generate", "train", "evaluate"):
         run(["batchlab", stage], repo_copy, MLFLOW_TRACKING_URI=mlflow_server)
     run_id = json.loads((repo_copy / "reports/train.json").read_text())["run_id"]
@@ -315,16 +300,10 @@ def _checkpoint_epoch(checkpoint: Path) -> int:
         return 0
 
 
-def _wait_for_epoch(proc: subprocess.Popen[str], checkpoint: Path, epoch: int, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        if _checkpoint_epoch(checkpoint) >= epoch:
-            return
-        time.sleep(0.05)
-    code = proc.poll()
-    proc.kill()
-    stderr = proc.communicate()[1][-3000:]
-    raise AssertionError(f"training did not reach epoch {epoch} in {timeout_s} s (exit code {code}): {stderr}")
+def _wait_for_epoch(proc: subprocess.Popen[str], checkpoint: Path, epoch: int, timeout: float = WAIT_S) -> None:
+    wait_until(
+        lambda: _checkpoint_epoch(checkpoint) >= epoch, f"a checkpoint of epoch {epoch}", timeout=timeout, process=proc
+    )
 
 
 def _steps(client: MlflowClient, run_id: str, key: str = "val_loss") -> list[int]:
@@ -333,10 +312,8 @@ def _steps(client: MlflowClient, run_id: str, key: str = "val_loss") -> list[int
 
 @pytest.mark.slow
 def test_sigkilled_train_is_reaped_and_its_resumed_training_continues_the_same_run(repo_copy: Path) -> None:
-    from tests.test_pipeline import _set
-
-    _set(repo_copy, "tracking", enabled=True)
-    _set(repo_copy, "train", epochs=40, batch_size=16)
+    set_params(repo_copy, "tracking", enabled=True)
+    set_params(repo_copy, "train", epochs=40, batch_size=16)
     run(["batchlab", "generate"], repo_copy)
     checkpoint = repo_copy / ".batchlab/checkpoints/train.pt"
     proc = subprocess.Popen(
@@ -377,11 +354,9 @@ SLOW_EPOCHS = {"samples": 10000}  # ~0.4 s epochs here: the server dies and retu
 def test_training_outlives_a_tracking_server_restart_and_records_every_epoch(
     repo_copy: Path, server: MlflowServer
 ) -> None:
-    from tests.test_pipeline import _set
-
-    _set(repo_copy, "tracking", enabled=True)
-    _set(repo_copy, "data", **SLOW_EPOCHS)
-    _set(repo_copy, "train", epochs=120, batch_size=16)
+    set_params(repo_copy, "tracking", enabled=True)
+    set_params(repo_copy, "data", **SLOW_EPOCHS)
+    set_params(repo_copy, "train", epochs=120, batch_size=16)
     run(["batchlab", "generate"], repo_copy)
     checkpoint = repo_copy / ".batchlab/checkpoints/train.pt"
     # the end of the run waits up to 180 s for the server: it may take that long to start on a busy machine
@@ -390,7 +365,8 @@ def test_training_outlives_a_tracking_server_restart_and_records_every_epoch(
     _wait_for_epoch(proc, checkpoint, 2)
     server.kill()
     down_at = _checkpoint_epoch(checkpoint)
-    _wait_for_epoch(proc, checkpoint, down_at + 5, timeout_s=20)  # no epoch waits for the dead server
+    # no epoch waits for the dead server: before, each write sat in MLflow's retries for ~4 min
+    _wait_for_epoch(proc, checkpoint, down_at + 5, timeout=150)
     server.start()  # takes ~30 s here: training goes on meanwhile, or waits at its end if it got there
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
@@ -409,11 +385,9 @@ def test_training_outlives_a_tracking_server_restart_and_records_every_epoch(
 def test_a_tracking_server_that_stays_down_costs_no_model_and_its_metrics_are_sent_later(
     repo_copy: Path, server: MlflowServer
 ) -> None:
-    from tests.test_pipeline import _set
-
-    _set(repo_copy, "tracking", enabled=True)
-    _set(repo_copy, "data", **SLOW_EPOCHS)
-    _set(repo_copy, "train", epochs=12, batch_size=16)
+    set_params(repo_copy, "tracking", enabled=True)
+    set_params(repo_copy, "data", **SLOW_EPOCHS)
+    set_params(repo_copy, "train", epochs=12, batch_size=16)
     run(["batchlab", "generate"], repo_copy)
     checkpoint = repo_copy / ".batchlab/checkpoints/train.pt"
     env = env_with_venv(MLFLOW_TRACKING_URI=server.uri, BATCHLAB_TRACKING_WAIT_S="5")
