@@ -25,6 +25,7 @@ from batchlab import data, stages, tracking
 from batchlab.config import Config, load_config
 from batchlab.model import build_model
 from batchlab.strategy import Strategy
+from batchlab.tracking.mlflow_tracker import MlflowTracker
 from batchlab.train import fit
 from common import REPO, Table, markdown, progress, timed, verdict, working_dir
 
@@ -32,7 +33,7 @@ REPEATS = 3
 PER_EPOCH_TARGET = 0.03  # issue: per-epoch logging costs at most 3% of training wall time
 
 
-class TimedMlflowTracker(tracking.MlflowTracker):
+class TimedMlflowTracker(MlflowTracker):
     """Adds up the seconds fit() spends handing its epochs to MLflow."""
 
     seconds = 0.0
@@ -76,14 +77,14 @@ def one_off_costs(cfg: Config, root: Path, dataset: data.Dataset) -> dict[str, f
 
 
 def per_epoch_costs(cfg: Config, dataset: data.Dataset) -> dict[str, Any]:
-    """fit() with a real MLflow tracker vs a NullTracker; the run is opened outside the timing."""
+    """fit() with a real MLflow tracker vs a do-nothing Tracker; the run is opened outside the timing."""
     strategy = Strategy(torch.device("cpu"))
     fit(cfg, dataset, strategy)  # warm-up: the first fit in a process pays torch's lazy setup
     null, logged, logging = [], [], []
     epochs = 0
     for repeat in range(REPEATS):
         progress(f"tracking: fit() with and without MLflow, repeat {repeat + 1}/{REPEATS}")
-        null.append(timed(lambda: fit(cfg, dataset, strategy, tracking.NullTracker()))[1])
+        null.append(timed(lambda: fit(cfg, dataset, strategy, tracking.Tracker()))[1])
         with tracking.run(cfg.tracking, name="bench-per-epoch") as run:
             tracker = TimedMlflowTracker(str(run.run_id), cfg.tracking)
             # the last epochs' metrics are written at the end, as train_worker does

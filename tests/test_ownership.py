@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from batchlab import ownership
+from batchlab.tracking import ownership
 
 
 def test_owner_is_alive_while_its_process_runs() -> None:

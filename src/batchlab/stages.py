@@ -102,7 +102,7 @@ def train_worker(
     with started(cfg.train) as strategy:
         if tracker is None:
             run_id = os.environ.get(launch.RUN_ID_ENV)
-            tracker = tracking.attach(cfg.tracking, run_id) if run_id and strategy.is_main else tracking.NullTracker()
+            tracker = tracking.attach(cfg.tracking, run_id) if run_id and strategy.is_main else tracking.Tracker()
         with strategy.collective_errors():
             result = fit(cfg, dataset, strategy, tracker, checkpoint=paths.checkpoint)
         tracker.flush()

@@ -264,7 +264,7 @@ def parent_run(cfg: Config, paths: stages.Paths, sweep: Sweep) -> Iterator[track
     """The sweep's parent MLflow run, re-opened when resuming; none when the sweep is up to date
     (nothing new to log)."""
     if sweep.up_to_date:
-        yield tracking.NullTracker()
+        yield tracking.Tracker()
         return
     name = f"sweep-{'-'.join(map(str, cfg.sweep.batch_sizes))}"
     resuming = sweep.parent_run_id is not None

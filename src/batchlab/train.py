@@ -21,7 +21,7 @@ from batchlab.config import Config, TrainConfig
 from batchlab.data import Dataset, Split
 from batchlab.model import build_model
 from batchlab.strategy import Strategy
-from batchlab.tracking import NullTracker, Tracker
+from batchlab.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def fit(
 ) -> TrainResult:
     """Train the model of `cfg` on `dataset`; resume from `checkpoint` when it matches the config."""
     tc = cfg.train
-    tracker = tracker or NullTracker()
+    tracker = tracker or Tracker()
     n_train = dataset.train.y.shape[0]
     steps = steps_per_epoch(n_train, tc.batch_size)
     if steps == 0:

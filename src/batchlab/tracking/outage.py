@@ -1,6 +1,6 @@
 """A tracking backend that goes away mid-run: how long a run waits for it, and where what it missed is kept.
 
-No mlflow here: tracking.py hands in its calls and a probe.
+No mlflow here: mlflow_tracker.py hands in its calls and a probe.
 """
 
 from __future__ import annotations

@@ -1,0 +1,31 @@
+"""Experiment tracking at the edges: the only package that imports mlflow.
+
+    base            Tracker (records nothing), Resumable, tag names
+    backend         where the store is, whether it answers, a SQLite store ready for concurrent writers
+    mlflow_tracker  MlflowTracker: params, epochs, artifacts, models, registry, outage-proof writes
+    lifecycle       run() / attach(): open, continue, end a run; end runs dead processes left RUNNING
+    provenance      git, DVC data hash and host tags
+    ownership       which process of which host owns a run
+    outage          what happens while the backend is away
+
+`fit` and the stages receive a Tracker and never test a flag.
+"""
+
+from batchlab.tracking.backend import TrackingUnavailable, check_reachable, prepare_backend, resolve_uri
+from batchlab.tracking.base import CHAMPION, Resumable, Tracker
+from batchlab.tracking.lifecycle import Interrupted, attach, run
+from batchlab.tracking.provenance import environment_tags
+
+__all__ = [
+    "CHAMPION",
+    "Interrupted",
+    "Resumable",
+    "Tracker",
+    "TrackingUnavailable",
+    "attach",
+    "check_reachable",
+    "environment_tags",
+    "prepare_backend",
+    "resolve_uri",
+    "run",
+]

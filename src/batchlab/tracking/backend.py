@@ -1,0 +1,96 @@
+"""The tracking backend, before any run opens: where it is, whether it answers, a store ready for
+concurrent writers. Fails in seconds with one line naming the URI instead of hanging in a retry loop."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from batchlab.config import TrackingConfig
+
+
+class TrackingUnavailable(RuntimeError):
+    """The tracking backend cannot be reached; raised before any training starts."""
+
+
+def resolve_uri(cfg: TrackingConfig) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+
+
+def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail within seconds, naming the URI, when the tracking backend does not answer."""
+    hint = "start it, or set MLFLOW_TRACKING_URI / tracking.tracking_uri, or set tracking.enabled: false"
+    if uri.startswith(("http://", "https://")):
+        import requests
+
+        try:
+            requests.get(f"{uri.rstrip('/')}/health", timeout=timeout_s).raise_for_status()
+        except requests.RequestException as err:
+            raise TrackingUnavailable(
+                f"MLflow tracking server {uri} is unreachable ({type(err).__name__}); {hint}"
+            ) from None
+    elif uri.startswith(("postgresql", "mysql")):
+        import sqlalchemy
+
+        try:
+            engine = sqlalchemy.create_engine(uri, connect_args={"connect_timeout": int(timeout_s)})
+            with engine.connect():
+                pass
+        except Exception as err:  # driver errors have no common base class
+            raise TrackingUnavailable(
+                f"tracking database {uri} is unreachable: {str(err).splitlines()[0]}; {hint}"
+            ) from None
+
+
+def prepare_backend(uri: str) -> None:
+    """Create the store once under a file lock (parallel first use races on migrations) and
+    put SQLite in WAL mode with a busy timeout so concurrent writers wait instead of failing."""
+    path = _sqlite_path(uri)
+    if path is None:
+        return
+    import sqlite3
+
+    from filelock import FileLock
+    from mlflow.tracking import MlflowClient
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+        with contextlib.closing(sqlite3.connect(path, timeout=30)) as conn:
+            conn.execute("PRAGMA journal_mode=WAL")
+
+
+def retry_locked(call: Any, *args: Any, **kwargs: Any) -> Any:
+    """SQLite says 'database is locked' when another process holds the write lock too long."""
+    for attempt in range(8):
+        try:
+            return call(*args, **kwargs)
+        except Exception as err:
+            if "database is locked" not in str(err) or attempt == 7:
+                raise
+            time.sleep(0.2 * 2**attempt)
+    return None
+
+
+def quick_http_retries(uri: str) -> None:
+    """MLflow retries a refused connection 7 times over about 4 minutes, in every call: training would
+    hang while a server restarts. The tracker keeps what it could not write and retries it itself, so
+    MLflow's own retries can be short (~3 s). Settings the user exported win."""
+    if uri.startswith(("http://", "https://")):
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+
+
+def reachable(uri: str) -> bool:
+    try:
+        check_reachable(uri, timeout_s=1.0)
+        return True
+    except TrackingUnavailable:
+        return False

@@ -1,0 +1,64 @@
+"""The tracker every stage and `fit` receive. This base records nothing: non-zero ranks, unit tests
+and runs with tracking off use it as it is (torchtitan's BaseLogger); MlflowTracker overrides it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    from torch import nn
+
+    from batchlab.data import Dataset
+
+CHAMPION = "champion"  # the registry alias of the best model so far
+REAPED = "batchlab.reaped"
+RESUMED = "batchlab.resumed_at_epoch"
+RESUMED_FROM = "batchlab.resumed_from_run"  # when that run could not be continued
+
+
+@dataclass(frozen=True)
+class Resumable:
+    """The run of an interrupted training, and the epochs its checkpoint holds."""
+
+    run_id: str
+    epochs: list[dict[str, float]] = field(default_factory=list)
+
+
+class Tracker:
+    """Records nothing; every member is safe to call."""
+
+    run_id: str | None = None
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        pass
+
+    def log_epoch(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def log_metrics(self, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        pass
+
+    def log_artifact(self, path: str | Path, folder: str | None = None) -> None:
+        pass
+
+    def log_datasets(self, dataset: Dataset, source: str) -> None:
+        pass
+
+    def log_torch_model(self, model: nn.Module, example: np.ndarray) -> str | None:
+        return None
+
+    def log_onnx_model(self, path: str | Path) -> None:
+        pass
+
+    def register(self, model_uri: str, score: float, metric: str) -> bool:
+        return False
+
+    def flush(self) -> None:
+        pass

@@ -1,0 +1,273 @@
+"""The MLflow tracker: logs into one run, by id, so several stages (processes) share a run."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from batchlab.config import TrackingConfig
+from batchlab.tracking import outage
+from batchlab.tracking.backend import reachable, retry_locked
+from batchlab.tracking.base import CHAMPION, RESUMED, Tracker
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from batchlab.data import Dataset
+
+log = logging.getLogger(__name__)
+
+WRITE_INTERVAL_S = 1.0
+
+
+def metrics_from_rows(rows: list[dict[str, Any]]) -> list[Any]:
+    from mlflow.entities import Metric
+
+    return [Metric(m["key"], float(m["value"]), int(m["timestamp"]), int(m["step"])) for m in rows]
+
+
+def log_metrics_batched(client: Any, run_id: str, metrics: list[Any]) -> None:
+    for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
+        retry_locked(client.log_batch, run_id, metrics=metrics[i : i + 1000])
+
+
+class MlflowTracker(Tracker):
+    """Logs into one MLflow run, by id, so several stages (processes) share a run.
+
+    A backend that goes away mid-run costs no training: epoch metrics wait in memory for a later
+    flush, and the end of the run waits outage.FINAL_WAIT_S at most, then keeps the metrics left in a
+    file and names what was not recorded in one warning.
+    """
+
+    run_id: str  # always a run: the base's None means "no run"
+
+    def __init__(self, run_id: str, cfg: TrackingConfig, uri: str | None = None) -> None:
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        self.run_id = run_id
+        self.cfg = cfg
+        self.uri = uri or mlflow.get_tracking_uri()
+        self.client = MlflowClient(self.uri)
+        self._pending: list[Any] = []  # epoch metrics not yet written
+        self._last_write = time.monotonic()
+        self._recorded: dict[str, int] = {}  # a continued run: the last step each metric has already
+        self._backend = outage.Backend(self.uri, probe=lambda: reachable(self.uri))
+        self._not_recorded: list[str] = []
+        self._replayed = False
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        batch = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(batch), 100):
+            retry_locked(self.client.log_batch, self.run_id, params=batch[i : i + 100])
+
+    def log_epoch(self, metrics: Mapping[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._pending += [
+            Metric(k, float(v), now, step)
+            for k, v in metrics.items()
+            if k != "epoch" and step > self._recorded.get(k, -1)
+        ]
+        # one write per epoch, but at most one per second: a SQLite write costs ~7 ms, which is
+        # 20% of a 30 ms epoch (an async write costs as much, through the GIL)
+        if time.monotonic() - self._last_write >= WRITE_INTERVAL_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the epoch metrics not yet written; while the backend is unreachable keep them for later."""
+        if self._pending and self._backend.answers():
+            try:
+                self._write_pending()
+            except Exception as err:
+                if not outage.unreachable(err):
+                    raise
+                self._backend.went_down(err)
+        self._last_write = time.monotonic()
+
+    def _write_pending(self) -> None:
+        while self._pending:  # drop each batch once written: a failure leaves only the rest pending
+            batch = self._pending[:1000]  # MLflow takes at most 1000 metrics per batch
+            retry_locked(self.client.log_batch, self.run_id, metrics=batch)
+            del self._pending[: len(batch)]
+        if self._replayed:  # what an earlier command left is recorded now
+            outage.unrecorded_path(self.run_id).unlink(missing_ok=True)
+            self._replayed = False
+        self._backend.came_back()
+
+    def _persist(self, what: str, call: Callable[..., Any], *args: Any) -> Any:
+        """An end-of-run write; when the backend stays away, `what` is named as not recorded."""
+        recorded, result = self._backend.persist(lambda: retry_locked(call, *args))
+        if not recorded:
+            self._not_recorded.append(what)
+        return result
+
+    def log_metrics(self, metrics: Mapping[str, float]) -> None:
+        self.log_epoch(metrics, step=0)
+        self.flush()
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        retry_locked(self.client.log_batch, self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_artifact(self, path: str | Path, folder: str | None = None) -> None:
+        self._persist(Path(path).name, self.client.log_artifact, self.run_id, str(path), folder)
+
+    def log_datasets(self, dataset: Dataset, source: str) -> None:
+        from mlflow.data.numpy_dataset import from_numpy
+        from mlflow.entities import DatasetInput, InputTag
+
+        digest = dataset.content_hash()
+        inputs = []
+        for context in ("train", "val", "test"):
+            split = getattr(dataset, context)
+            ds = from_numpy(split.x, targets=split.y, name=f"{source}-{context}", digest=digest)
+            inputs.append(DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", context)]))
+        retry_locked(self.client.log_inputs, self.run_id, datasets=inputs)
+
+    def _pip_requirements(self) -> list[str]:
+        # explicit requirements: inferring them costs ~10 s per model (PITFALLS.md)
+        import mlflow
+        import torch
+
+        return [f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}", "numpy"]
+
+    def log_torch_model(self, model: nn.Module, example: np.ndarray) -> str | None:
+        import mlflow
+        import torch
+        from mlflow.models import infer_signature
+
+        with torch.no_grad():
+            output = model.cpu()(torch.from_numpy(example)).numpy()
+
+        def log_model() -> str:
+            with _active(self.run_id):
+                info = mlflow.pytorch.log_model(
+                    model,
+                    name="model",
+                    signature=infer_signature(example, output),
+                    input_example=example[:5],
+                    pip_requirements=self._pip_requirements(),
+                )
+            return str(info.model_uri)
+
+        uri: str | None = self._persist("the model", log_model)
+        return uri
+
+    def log_onnx_model(self, path: str | Path) -> None:
+        import mlflow
+        import onnx
+
+        def log_model() -> None:
+            with _active(self.run_id):
+                mlflow.onnx.log_model(
+                    onnx.load(str(path)), name="onnx_model", pip_requirements=["onnxruntime", "numpy"]
+                )
+
+        self._persist("the ONNX model", log_model)
+
+    def register(self, model_uri: str, score: float, metric: str) -> bool:
+        """Register the model; move the champion alias only when `score` beats the champion's."""
+        if not self.cfg.registered_model:
+            return False
+        return bool(self._persist(f"the registration of {model_uri}", self._register, model_uri, score, metric))
+
+    def _register(self, model_uri: str, score: float, metric: str) -> bool:
+        import mlflow
+
+        name = self.cfg.registered_model
+        version = mlflow.register_model(model_uri, name, tags={metric: f"{score:.6f}", "run_id": self.run_id})
+        try:
+            champion = self.client.get_model_version_by_alias(name, CHAMPION)
+            best = float(champion.tags.get(metric, "-inf"))
+        except mlflow.exceptions.MlflowException:
+            best = float("-inf")
+        if score > best:
+            self.client.set_registered_model_alias(name, CHAMPION, version.version)
+            return True
+        return False
+
+    def replay_unrecorded(self) -> None:
+        """Queue the metrics an earlier command could not record in this run (sent with the next flush)."""
+        metrics = metrics_from_rows(outage.load_unrecorded(self.run_id)[0])
+        if metrics:
+            log.info("tracking: recording %d metric values an earlier command could not", len(metrics))
+            self._pending = metrics + self._pending
+            self._replayed = True
+            self.flush()
+
+    def skip_recorded_epochs(self) -> None:
+        """Epoch steps this run already holds are not written again (a resumed training replays them)."""
+        run = retry_locked(self.client.get_run, self.run_id)
+        for key in run.data.metrics:
+            history = retry_locked(self.client.get_metric_history, self.run_id, key)
+            self._recorded[key] = max((m.step for m in history), default=-1)
+        for m in self._pending:  # queued by replay_unrecorded, not written yet
+            self._recorded[m.key] = max(self._recorded.get(m.key, -1), m.step)
+
+    def continue_epochs(self, epochs: list[dict[str, float]]) -> None:
+        """A resumed training: record the epochs of its checkpoint that the killed process had not
+        written yet; the steps the run holds are not written twice."""
+        self.skip_recorded_epochs()
+        for row in epochs:
+            self.log_epoch(row, step=int(row["epoch"]))
+        self.flush()
+        self.set_tags({RESUMED: str(len(epochs))})
+
+    def end(self, status: str) -> None:
+        """Write what is pending and end the run with `status`; what the backend would not take is
+        named in one warning, and the metrics among it are kept in outage.UNRECORDED_DIR."""
+        import mlflow
+
+        if self._pending:
+            self._backend.persist(self._write_pending)
+
+        def terminate() -> None:
+            active = mlflow.active_run()
+            if active is not None and active.info.run_id == self.run_id:
+                mlflow.end_run(status)  # takes it off the active-run stack first, then tells the backend
+            else:
+                self.client.set_terminated(self.run_id, status)
+
+        if not self._backend.persist(terminate)[0]:
+            self._not_recorded.append(f"the end of the run ({status})")
+            active = mlflow.active_run()
+            if active is not None and active.info.run_id == self.run_id:
+                with contextlib.suppress(Exception):  # off the active-run stack; the backend will not answer
+                    mlflow.end_run(status)
+        if self._pending or self._not_recorded:
+            self._warn_unrecorded(status)
+
+    def _warn_unrecorded(self, status: str) -> None:
+        lost = list(self._not_recorded)
+        if self._pending:
+            rows = [{"key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step} for m in self._pending]
+            path = outage.save_unrecorded(self.run_id, self.uri, status, rows, lost)
+            lost.insert(0, f"{len(rows)} metric values (kept in {path}; the next command opening the run sends them)")
+        log.warning(
+            "batchlab: warning: tracking backend %s was unreachable; not recorded in run %s: %s",
+            self.uri, self.run_id, "; ".join(lost),
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _active(run_id: str) -> Iterator[None]:
+    """model-logging APIs log into the active run; make ours active without ending it."""
+    import mlflow
+
+    active = mlflow.active_run()
+    if active is not None and active.info.run_id == run_id:
+        yield
+        return
+    with mlflow.start_run(run_id=run_id):
+        yield

@@ -1,0 +1,39 @@
+"""Where a run came from: git commit and dirty flag, DVC's data hash, host and torch version."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+
+def git_tags() -> dict[str, str]:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=10).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"git.commit": commit, "git.dirty": str(dirty).lower()}
+
+
+def dvc_data_hash(lock_path: str | Path = "dvc.lock", out: str = "data/prepared") -> str | None:
+    import yaml
+
+    path = Path(lock_path)
+    if not path.is_file():
+        return None
+    stage = (yaml.safe_load(path.read_text()) or {}).get("stages", {}).get("generate", {})
+    return next((o.get("md5") for o in stage.get("outs", []) if o.get("path") == out), None)
+
+
+def environment_tags() -> dict[str, str]:
+    import torch
+
+    tags = {"host": socket.gethostname(), "torch.version": torch.__version__, **git_tags()}
+    data_hash = dvc_data_hash()
+    if data_hash:
+        tags["dvc.data_hash"] = data_hash
+    return tags
