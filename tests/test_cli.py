@@ -1,5 +1,5 @@
 """`batchlab`: options in either position, help that says what each stage reads and writes,
-and no heavy import before the arguments are parsed."""
+no heavy import before the arguments are parsed, and one line per stage (no MLflow chatter)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from batchlab.cli import _parser
-from tests.conftest import REPO, TINY, env_with_venv, merge, write_params
+from tests.conftest import REPO, TINY, env_with_venv, merge, run, write_params
 
 
 def _stages() -> dict[str, dict[str, list[object]]]:
@@ -97,3 +97,29 @@ def test_help_usage_errors_and_validate_skip_the_heavy_imports(
     assert proc.stdout.splitlines()[-1] == "imported: ", proc.stdout
     if argv == ["validate"]:
         assert (tmp_path / ".batchlab/params.ok").is_file() and not (tmp_path / "mlflow.db").exists()
+
+
+MLFLOW_CHATTER = (
+    "INFO mlflow",
+    "Creating initial MLflow database tables",
+    "Updating database tables",
+    "Experiment with name",
+    "Successfully registered model",
+    "Created version",
+)
+
+
+@pytest.mark.slow
+def test_tracked_stages_print_their_own_lines_and_no_mlflow_info(tmp_path: Path) -> None:
+    tracked = {"tracking": {"enabled": True, "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}}
+    write_params(tmp_path, merge(TINY, tracked))
+    stderr = {stage: run(["batchlab", stage], tmp_path).stderr for stage in ("generate", "train", "evaluate")}
+    # the stages did create the store, log to MLflow and register a model: the silence below means something
+    assert "epoch 4/4" in stderr["train"] and "new 'champion'" in stderr["evaluate"], stderr
+    chatter = [
+        f"{stage}: {line}"
+        for stage, err in stderr.items()
+        for line in err.splitlines()
+        if any(noise in line for noise in MLFLOW_CHATTER)
+    ]
+    assert not chatter, chatter

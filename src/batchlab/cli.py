@@ -90,10 +90,26 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 
 def _configure_logging() -> None:
+    """One line per stage on stderr. mlflow sets its own logger's level and handler when it is
+    imported (after this runs), so its level is given through its own variable, which its
+    children inherit too."""
     level = os.environ.get("BATCHLAB_LOG", "INFO")
     logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     for noisy in ("mlflow", "alembic", "urllib3", "git", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _silence_mlflow_prints() -> None:
+    """mlflow print()s some news past any log level ("Successfully registered model…", "Created
+    version…") to a stream it shares with its log handler: switch the stream off and point the
+    handler at stderr, so its warnings and errors still show. Called only where mlflow is used."""
+    from mlflow.utils import logging_utils
+
+    for handler in logging.getLogger("mlflow").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is logging_utils.MLFLOW_LOGGING_STREAM:
+            handler.setStream(sys.stderr)
+    logging_utils.disable_logging()
 
 
 def run(args: argparse.Namespace) -> None:
@@ -107,6 +123,8 @@ def run(args: argparse.Namespace) -> None:
         return
     from batchlab import launch, stages
 
+    if cfg.tracking.enabled and args.stage != "generate":
+        _silence_mlflow_prints()
     paths = stages.Paths(out=args.out)
     if args.stage == "generate":
         stages.generate(cfg, paths)
