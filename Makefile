@@ -1,4 +1,4 @@
-# One command runs the pipeline, one passes the tests; each sets itself up.
+# One command runs the pipeline, one passes the tests; each sets itself up. `make` lists the targets.
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
@@ -8,9 +8,13 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_HOME ?= $(abspath .prefect)
 export PREFECT_LOGGING_EXTRA_LOGGERS ?= batchlab
 
-.PHONY: setup run test lint bench ui serve clean
+.DEFAULT_GOAL := help
+.PHONY: help setup run compare test lint format bench ui serve clean
 
-setup: $(STAMP)
+help:  ## this list
+	@sed -n 's/^\([a-z]*\):.*## \(.*\)/  make \1\t\2/p' $(firstword $(MAKEFILE_LIST)) | expand -t 16
+
+setup: $(STAMP)  ## create .venv with the pinned set (the targets that need it do this first)
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,14 +24,24 @@ $(STAMP): requirements.lock pyproject.toml
 	$(BIN)/python -m pip check
 	touch $@
 
-run: setup  ## the whole pipeline: generate -> train -> evaluate -> export
+run: setup  ## the whole pipeline: generate -> train -> evaluate -> export, and the sweep
 	$(BIN)/dvc repro
 
-lint: setup
+# headline metrics always; params only where experiments differ; no per-file hash columns
+compare:  ## experiments side by side: the params that differ, accuracy, F1 (macro), ROC-AUC
+	@$(BIN)/dvc exp show --only-changed --precision 4 \
+	  --keep 'Experiment$$|Created$$|accuracy$$|f1_macro$$|roc_auc$$' \
+	  --drop '.*/|precision_|recall_|f1_'
+
+lint: setup  ## ruff, ruff format --check, mypy, hadolint
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/hadolint --failure-threshold warning Dockerfile
+
+format: setup  ## ruff format, then ruff check --fix
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 test: lint  ## lint, type-check, then the whole test suite
 	$(BIN)/python -m pytest
@@ -41,5 +55,5 @@ ui: setup  ## MLflow UI on 127.0.0.1 only
 serve: setup  ## serve the scheduled Prefect deployments (starts a local Prefect server if none is set)
 	BIN=$(BIN) flows/serve.sh
 
-clean:
+clean:  ## remove every output, the MLflow store and the caches
 	rm -rf .batchlab reports models data/prepared mlflow.db mlruns .pytest_cache .mypy_cache .ruff_cache
