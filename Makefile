@@ -3,6 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.batchlab-installed
+UI_PORT ?= 5000
 export PATH := $(abspath $(BIN)):$(PATH)
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_HOME ?= $(abspath .prefect)
@@ -49,8 +50,15 @@ test: lint  ## lint, type-check, then the whole test suite
 bench: setup  ## speed and overhead tables -> benchmarks/results.json and README figures
 	$(BIN)/python benchmarks/run_all.py
 
-ui: setup  ## MLflow UI on 127.0.0.1 only
-	$(BIN)/mlflow ui --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db} --host 127.0.0.1 --port 5000
+# One server process and no GenAI job runners (their consumers were 8 more processes), without
+# starlette's deprecation warning (a UserWarning); exec: stopping make stops the server (mlflow
+# passes SIGTERM on to it). The URL opens the runs table, not MLflow 3's GenAI overview.
+ui: setup  ## MLflow UI on http://127.0.0.1:5000 (UI_PORT=...), opened on the runs table
+	@store=$${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db}; \
+	url=$$($(BIN)/batchlab ui-url --store "$$store" --port $(UI_PORT)) || url=http://127.0.0.1:$(UI_PORT); \
+	echo "MLflow UI: $$url  (Ctrl-C stops it)"; \
+	export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false PYTHONWARNINGS='ignore:starlette.middleware.wsgi is deprecated'; \
+	exec $(BIN)/mlflow ui --backend-store-uri "$$store" --host 127.0.0.1 --port $(UI_PORT) --workers 1
 
 serve: setup  ## serve the scheduled Prefect deployments (starts a local Prefect server if none is set)
 	BIN=$(BIN) flows/serve.sh

@@ -123,3 +123,10 @@ def test_tracked_stages_print_their_own_lines_and_no_mlflow_info(tmp_path: Path)
         if any(noise in line for noise in MLFLOW_CHATTER)
     ]
     assert not chatter, chatter
+
+
+def test_ui_url_is_the_plain_address_until_the_store_exists_and_creates_nothing(tmp_path: Path) -> None:
+    write_params(tmp_path, TINY)
+    store = tmp_path / "mlflow.db"
+    shown = run(["batchlab", "ui-url", "--store", f"sqlite:///{store}", "--port", "5123"], tmp_path).stdout
+    assert shown.strip() == "http://127.0.0.1:5123" and not store.exists()

@@ -1,15 +1,22 @@
-"""The Makefile's own targets: help and compare."""
+"""The Makefile's own targets: help, compare, and `make ui`, which must be light, answer on the
+port asked for, and stop when make is stopped."""
 
 from __future__ import annotations
 
 import re
+import socket
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
+import psutil
 import pytest
 import yaml
 
-from tests.conftest import REPO, run
+from tests.conftest import REPO, env_with_venv, free_port, run, wait_until
 
 STAMP = ".batchlab-installed"  # the Makefile's $(STAMP) inside $(VENV)
 
@@ -52,3 +59,63 @@ def test_make_compare_fits_a_terminal_and_shows_changed_params_and_headline_metr
     # unchanged params, per-class metrics and the deps' hash columns are left out: nothing is cut
     for unwanted in ("…", "train.epochs", "precision_0", "f1_weighted", "src/batchlab", "data/prepared"):
         assert unwanted not in shown, f"{unwanted!r} shown:\n{shown}"
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _stop(make: subprocess.Popen[Any], port: int) -> list[psutil.Process]:
+    """SIGTERM to make alone (what `kill <make's pid>` does); every process it started must exit,
+    and the port must be free again. Returns the processes that were still running."""
+    tree = [psutil.Process(make.pid), *psutil.Process(make.pid).children(recursive=True)]
+    make.terminate()
+    make.wait(timeout=60)
+    _, alive = psutil.wait_procs(tree, timeout=60)
+    for process in alive:  # do not leave them behind for the next test
+        process.kill()
+    wait_until(lambda: _port_is_free(port), f"port {port} to be free", timeout=30)
+    return alive
+
+
+@pytest.fixture
+def stopped() -> Iterator[list[subprocess.Popen[Any]]]:
+    """Servers a test started: killed with their children if the test failed half-way."""
+    started: list[subprocess.Popen[Any]] = []
+    yield started
+    for make in started:
+        if make.poll() is None:
+            for process in [*psutil.Process(make.pid).children(recursive=True), psutil.Process(make.pid)]:
+                process.kill()
+
+
+@pytest.mark.slow
+def test_make_ui_is_one_light_server_on_ui_port_opening_the_runs_table_and_stops_with_make(
+    repo_copy: Path, venv: Path, tmp_path: Path, stopped: list[subprocess.Popen[Any]]
+) -> None:
+    from mlflow import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    experiment = MlflowClient(store).create_experiment("batchlab")  # params.yaml's tracking.experiment
+    port = free_port()
+    log_path = tmp_path / "make-ui.log"
+    with open(log_path, "w") as log:
+        make = subprocess.Popen(
+            _make(venv, "ui", f"UI_PORT={port}"),
+            cwd=repo_copy,
+            env=env_with_venv(MLFLOW_TRACKING_URI=store),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    stopped.append(make)
+    health = f"http://127.0.0.1:{port}/health"
+    wait_until(lambda: httpx.get(health, timeout=2).status_code == 200, "make ui", process=make, log=log_path)
+    processes = [psutil.Process(make.pid), *psutil.Process(make.pid).children(recursive=True)]
+    assert len(processes) <= 3, [" ".join(p.cmdline()) for p in processes]  # make, mlflow, uvicorn
+    alive = _stop(make, port)
+    assert not alive, f"still running after make stopped: {[p.pid for p in alive]}"
+
+    output = log_path.read_text()
+    assert f"http://127.0.0.1:{port}/#/experiments/{experiment}?workflowType=machine_learning" in output, output
+    assert "Warning" not in output, output

@@ -49,6 +49,10 @@ COMMANDS = {
         "per experiment, kept across runs so an interrupted sweep resumes) and reports/sweep/, with one "
         "MLflow parent run and a child run per experiment.",
     ),
+    "ui-url": (
+        "print the MLflow UI address that opens tracking.experiment's runs table (`make ui` prints it)",
+        "Reads params.yaml's tracking section and the MLflow store (read only; no mlflow import). Writes nothing.",
+    ),
 }
 
 
@@ -80,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     for name, (summary, files) in COMMANDS.items():
         command = sub.add_parser(name, help=summary, description=f"{summary[0].upper()}{summary[1:]}. {files}")
         _options(command, defaults=False)
+        if name == "ui-url":
+            command.add_argument("--store", default="sqlite:///mlflow.db", help="the MLflow store `mlflow ui` reads")
+            command.add_argument("--port", type=int, default=5000, help="the port `mlflow ui` listens on")
     return parser
 
 
@@ -112,6 +119,32 @@ def _silence_mlflow_prints() -> None:
     logging_utils.disable_logging()
 
 
+def experiment_id(store_uri: str, name: str) -> str | None:
+    """The id of the active experiment `name` in an MLflow SQL store, read with SQLAlchemy;
+    None when the store or the experiment does not exist (yet), or the store is not SQL."""
+    if store_uri.startswith("sqlite:///") and not Path(store_uri.removeprefix("sqlite:///")).is_file():
+        return None  # connecting would create an empty database file
+    import sqlalchemy
+
+    query = sqlalchemy.text("SELECT experiment_id FROM experiments WHERE name = :name AND lifecycle_stage = 'active'")
+    try:
+        engine = sqlalchemy.create_engine(store_uri)
+        try:
+            with engine.connect() as connection:
+                row = connection.execute(query, {"name": name}).first()
+        finally:
+            engine.dispose()
+    except Exception:  # no SQL store (a file or http URI), unreachable, or no tables yet
+        return None
+    return None if row is None else str(row[0])
+
+
+def ui_url(port: int, experiment: str | None) -> str:
+    """MLflow 3's UI opens an experiment on its GenAI overview; this parameter opens the runs table."""
+    base = f"http://127.0.0.1:{port}"
+    return base if experiment is None else f"{base}/#/experiments/{experiment}?workflowType=machine_learning"
+
+
 def run(args: argparse.Namespace) -> None:
     from batchlab.config import load_config
 
@@ -120,6 +153,9 @@ def run(args: argparse.Namespace) -> None:
         from batchlab.validate import validate
 
         validate(cfg)
+        return
+    if args.stage == "ui-url":
+        print(ui_url(args.port, experiment_id(args.store, cfg.tracking.experiment)))
         return
     from batchlab import launch, stages
 
