@@ -4,6 +4,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.batchlab-installed
 UI_PORT ?= 5000
+export PREFECT_PORT ?= 4200
 export PATH := $(abspath $(BIN)):$(PATH)
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_HOME ?= $(abspath .prefect)
@@ -60,8 +61,8 @@ ui: setup  ## MLflow UI on http://127.0.0.1:5000 (UI_PORT=...), opened on the ru
 	export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false PYTHONWARNINGS='ignore:starlette.middleware.wsgi is deprecated'; \
 	exec $(BIN)/mlflow ui --backend-store-uri "$$store" --host 127.0.0.1 --port $(UI_PORT) --workers 1
 
-serve: setup  ## serve the scheduled Prefect deployments (starts a local Prefect server if none is set)
-	BIN=$(BIN) flows/serve.sh
+serve: setup  ## serve the Prefect schedules (a local server on PREFECT_PORT unless PREFECT_API_URL is set)
+	exec env BIN=$(BIN) flows/serve.sh
 
 clean:  ## remove every output, the MLflow store and the caches
 	rm -rf .batchlab reports models data/prepared mlflow.db mlruns .pytest_cache .mypy_cache .ruff_cache

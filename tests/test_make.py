@@ -1,5 +1,5 @@
-"""The Makefile's own targets: help, compare, and `make ui`, which must be light, answer on the
-port asked for, and stop when make is stopped."""
+"""The Makefile's own targets: help, compare, and the two servers (`make ui`, `make serve`), which
+must be light, answer on the port asked for, and stop when make is stopped."""
 
 from __future__ import annotations
 
@@ -119,3 +119,46 @@ def test_make_ui_is_one_light_server_on_ui_port_opening_the_runs_table_and_stops
     output = log_path.read_text()
     assert f"http://127.0.0.1:{port}/#/experiments/{experiment}?workflowType=machine_learning" in output, output
     assert "Warning" not in output, output
+
+
+@pytest.mark.slow
+def test_make_serve_on_another_port_points_its_ui_there_and_serves_the_deployments(
+    repo_copy: Path, venv: Path, tmp_path: Path, stopped: list[subprocess.Popen[Any]]
+) -> None:
+    port = free_port()
+    env = env_with_venv(
+        PREFECT_PORT=str(port),
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_UI_STATIC_DIRECTORY=str(tmp_path / "prefect-ui"),  # not into the shared site-packages
+        BATCHLAB_TIMEZONE="Europe/Amsterdam",
+    )
+    for key in ("PREFECT_API_URL", "PREFECT_UI_API_URL"):
+        env.pop(key, None)
+    log_path = tmp_path / "make-serve.log"
+    with open(log_path, "w") as log:
+        make = subprocess.Popen(_make(venv, "serve"), cwd=repo_copy, env=env, stdout=log, stderr=subprocess.STDOUT)
+    stopped.append(make)
+    base = f"http://127.0.0.1:{port}"
+
+    def ui_settings() -> dict[str, Any]:
+        return dict(httpx.get(f"{base}/ui-settings", timeout=5).raise_for_status().json())
+
+    # what the Prefect UI fetches to learn where its API is
+    settings = wait_until(ui_settings, "the Prefect UI settings", process=make, log=log_path)
+    assert settings["api_url"] == f"{base}/api", settings
+
+    def deployment(name: str) -> dict[str, Any] | None:
+        response = httpx.get(f"{base}/api/deployments/name/{name}", timeout=5)
+        return dict(response.json()) if response.status_code == 200 else None
+
+    descriptions = {
+        name: wait_until(lambda name=name: deployment(name), name, interval=1, process=make, log=log_path)[
+            "description"
+        ]
+        for name in ("batchlab-pipeline/nightly", "batchlab-sweep/weekly")
+    }
+    assert "nightly at 02:00 Europe/Amsterdam" in descriptions["batchlab-pipeline/nightly"], descriptions
+    assert "Sunday at 03:00 Europe/Amsterdam" in descriptions["batchlab-sweep/weekly"], descriptions
+
+    alive = _stop(make, port)
+    assert not alive, f"still running after make stopped: {[p.pid for p in alive]}"
