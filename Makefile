@@ -1,16 +1,22 @@
-# One command runs the pipeline, one passes the tests; each sets itself up.
+# One command runs the pipeline, one passes the tests; each sets itself up. `make` lists the targets.
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.batchlab-installed
+UI_PORT ?= 5000
+export PREFECT_PORT ?= 4200
 export PATH := $(abspath $(BIN)):$(PATH)
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_HOME ?= $(abspath .prefect)
 export PREFECT_LOGGING_EXTRA_LOGGERS ?= batchlab
 
-.PHONY: setup run test lint bench ui serve clean
+.DEFAULT_GOAL := help
+.PHONY: help setup run compare test lint format bench ui serve clean
 
-setup: $(STAMP)
+help:  ## this list
+	@sed -n 's/^\([a-z]*\):.*## \(.*\)/  make \1\t\2/p' $(firstword $(MAKEFILE_LIST)) | expand -t 16
+
+setup: $(STAMP)  ## create .venv with the pinned set (the targets that need it do this first)
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,14 +26,24 @@ $(STAMP): requirements.lock pyproject.toml
 	$(BIN)/python -m pip check
 	touch $@
 
-run: setup  ## the whole pipeline: generate -> train -> evaluate -> export
+run: setup  ## the whole pipeline: generate -> train -> evaluate -> export, and the sweep
 	$(BIN)/dvc repro
 
-lint: setup
+# headline metrics always; params only where experiments differ; no per-file hash columns
+compare:  ## experiments side by side: the params that differ, accuracy, F1 (macro), ROC-AUC
+	@$(BIN)/dvc exp show --only-changed --precision 4 \
+	  --keep 'Experiment$$|Created$$|accuracy$$|f1_macro$$|roc_auc$$' \
+	  --drop '.*/|precision_|recall_|f1_'
+
+lint: setup  ## ruff, ruff format --check, mypy, hadolint
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/hadolint --failure-threshold warning Dockerfile
+
+format: setup  ## ruff format, then ruff check --fix
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 test: lint  ## lint, type-check, then the whole test suite
 	$(BIN)/python -m pytest
@@ -35,11 +51,18 @@ test: lint  ## lint, type-check, then the whole test suite
 bench: setup  ## speed and overhead tables -> benchmarks/results.json and README figures
 	$(BIN)/python benchmarks/run_all.py
 
-ui: setup  ## MLflow UI on 127.0.0.1 only
-	$(BIN)/mlflow ui --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db} --host 127.0.0.1 --port 5000
+# One server process and no GenAI job runners (their consumers were 8 more processes), without
+# starlette's deprecation warning (a UserWarning); exec: stopping make stops the server (mlflow
+# passes SIGTERM on to it). The URL opens the runs table, not MLflow 3's GenAI overview.
+ui: setup  ## MLflow UI on http://127.0.0.1:5000 (UI_PORT=...), opened on the runs table
+	@store=$${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db}; \
+	url=$$($(BIN)/batchlab ui-url --store "$$store" --port $(UI_PORT)) || url=http://127.0.0.1:$(UI_PORT); \
+	echo "MLflow UI: $$url  (Ctrl-C stops it)"; \
+	export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false PYTHONWARNINGS='ignore:starlette.middleware.wsgi is deprecated'; \
+	exec $(BIN)/mlflow ui --backend-store-uri "$$store" --host 127.0.0.1 --port $(UI_PORT) --workers 1
 
-serve: setup  ## serve the scheduled Prefect deployments (starts a local Prefect server if none is set)
-	BIN=$(BIN) flows/serve.sh
+serve: setup  ## serve the Prefect schedules (a local server on PREFECT_PORT unless PREFECT_API_URL is set)
+	exec env BIN=$(BIN) flows/serve.sh
 
-clean:
+clean:  ## remove every output, the MLflow store and the caches
 	rm -rf .batchlab reports models data/prepared mlflow.db mlruns .pytest_cache .mypy_cache .ruff_cache

@@ -27,9 +27,20 @@ WEEKLY = "0 3 * * 0"  # the sweep at 03:00 every Sunday
 
 def deployments(params: str = "params.yaml", root: str = ".") -> list[RunnerDeployment]:
     timezone = os.environ.get("BATCHLAB_TIMEZONE", "UTC")
+    # the UI shows a schedule's time zone only in a tooltip: the description says it in words
     schedule = [
-        (pipeline, "nightly", NIGHTLY, "generate -> train -> evaluate -> export from params.yaml"),
-        (batch_size_sweep, "weekly", WEEKLY, "batch-size sweep: one MLflow parent run, one child per experiment"),
+        (
+            pipeline,
+            "nightly",
+            NIGHTLY,
+            f"nightly at 02:00 {timezone}: generate -> train -> evaluate -> export from {params}",
+        ),
+        (
+            batch_size_sweep,
+            "weekly",
+            WEEKLY,
+            f"weekly on Sunday at 03:00 {timezone}: batch-size sweep, one MLflow parent run, one child per experiment",
+        ),
     ]
     return [
         cast(

@@ -1,4 +1,8 @@
-"""`batchlab <stage>`: the commands dvc.yaml and people call."""
+"""`batchlab <stage>`: the commands dvc.yaml and people call.
+
+Nothing but argparse is imported before the arguments are parsed, so `--help` and a usage
+error answer at once; each stage then imports what it needs (validate: no torch, no mlflow).
+"""
 
 from __future__ import annotations
 
@@ -10,41 +14,153 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from batchlab import launch, tracking
-from batchlab.config import ConfigError, load_config
-from batchlab.data import DataError
-
 BAD_INPUT = 2
+
+# what each command does, then what it reads and writes (dvc.yaml's params, deps and outs)
+COMMANDS = {
+    "validate": (
+        "check params.yaml before any stage removes its outputs (dvc.yaml's first stage)",
+        "Reads every section of params.yaml and, for a csv source, data/raw. Writes .batchlab/params.ok.",
+    ),
+    "generate": (
+        "build the train/val/test split",
+        "Reads params.yaml's data section and, for a csv source, data/raw. Writes data/prepared/.",
+    ),
+    "train": (
+        "train the model (DDP launches itself through torchrun)",
+        "Reads params.yaml's model and train sections and data/prepared/. Writes models/model.pt, "
+        "reports/history.csv, reports/train_summary.json and reports/train.json, and opens an MLflow run "
+        "(tracking section) that evaluate and export add to.",
+    ),
+    "evaluate": (
+        "test-split metrics, confusion matrix, model registration",
+        "Reads params.yaml's evaluate section, data/prepared/ and models/model.pt. Writes reports/metrics.json, "
+        "reports/predictions.csv and reports/confusion.png, logs them to train's MLflow run and registers "
+        "the model (the 'champion' alias when it scores best).",
+    ),
+    "export": (
+        "ONNX export plus the onnxruntime parity gate",
+        "Reads params.yaml's export section, data/prepared/ and models/model.pt. Writes models/model.onnx "
+        "and reports/export.json, and logs the ONNX model to train's MLflow run.",
+    ),
+    "sweep": (
+        "train at every sweep.batch_sizes and write the trade-off report",
+        "Reads params.yaml's model, train and sweep sections and data/prepared/. Writes sweep/ (one folder "
+        "per experiment, kept across runs so an interrupted sweep resumes) and reports/sweep/, with one "
+        "MLflow parent run and a child run per experiment.",
+    ),
+    "ui-url": (
+        "print the MLflow UI address that opens tracking.experiment's runs table (`make ui` prints it)",
+        "Reads params.yaml's tracking section and the MLflow store (read only; no mlflow import). Writes nothing.",
+    ),
+}
+
+
+def _options(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """--params and --out, before or after the command. After it, they default to SUPPRESS: a
+    subcommand's defaults would otherwise overwrite what was given before the command."""
+    parser.add_argument(
+        "--params",
+        type=Path,
+        default=Path("params.yaml") if defaults else argparse.SUPPRESS,
+        help="params file (default params.yaml)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None if defaults else argparse.SUPPRESS,
+        help="write models/ and reports/ under this folder instead of the current one",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="batchlab", description="batchlab pipeline stages")
-    parser.add_argument("--params", type=Path, default=Path("params.yaml"), help="params file (default params.yaml)")
-    parser.add_argument("--out", type=Path, default=None, help="write models/ and reports/ under this folder")
-    sub = parser.add_subparsers(dest="stage", required=True)
-    sub.add_parser("validate", help="check params.yaml before any stage removes its outputs (dvc.yaml's first stage)")
-    sub.add_parser("generate", help="build the train/val/test split under data/prepared")
-    sub.add_parser("train", help="train the model (DDP launches itself through torchrun)")
-    sub.add_parser("evaluate", help="test-split metrics, confusion matrix, model registration")
-    sub.add_parser("export", help="ONNX export plus the onnxruntime parity gate")
-    sub.add_parser("sweep", help="train at every sweep.batch_sizes and write the trade-off report")
+    parser = argparse.ArgumentParser(
+        prog="batchlab",
+        description="batchlab pipeline stages: `dvc repro` runs them in order; `batchlab <command> --help` "
+        "says what each one reads and writes.",
+    )
+    _options(parser, defaults=True)
+    sub = parser.add_subparsers(dest="stage", required=True, metavar="<command>")
+    for name, (summary, files) in COMMANDS.items():
+        command = sub.add_parser(name, help=summary, description=f"{summary[0].upper()}{summary[1:]}. {files}")
+        _options(command, defaults=False)
+        if name == "ui-url":
+            command.add_argument("--store", default="sqlite:///mlflow.db", help="the MLflow store `mlflow ui` reads")
+            command.add_argument("--port", type=int, default=5000, help="the port `mlflow ui` listens on")
     return parser
 
 
 def _terminate(signum: int, frame: FrameType | None) -> None:
-    raise tracking.Interrupted(f"signal {signum}")
+    from batchlab.tracking import Interrupted
+
+    raise Interrupted(f"signal {signum}")
 
 
-def run(argv: list[str]) -> None:
-    args = _parser().parse_args(argv)
+def _configure_logging() -> None:
+    """One line per stage on stderr. mlflow sets its own logger's level and handler when it is
+    imported (after this runs), so its level is given through its own variable, which its
+    children inherit too."""
+    level = os.environ.get("BATCHLAB_LOG", "INFO")
+    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    for noisy in ("mlflow", "alembic", "urllib3", "git", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _silence_mlflow_prints() -> None:
+    """mlflow print()s some news past any log level ("Successfully registered model…", "Created
+    version…") to a stream it shares with its log handler: switch the stream off and point the
+    handler at stderr, so its warnings and errors still show. Called only where mlflow is used."""
+    from mlflow.utils import logging_utils
+
+    for handler in logging.getLogger("mlflow").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is logging_utils.MLFLOW_LOGGING_STREAM:
+            handler.setStream(sys.stderr)
+    logging_utils.disable_logging()
+
+
+def experiment_id(store_uri: str, name: str) -> str | None:
+    """The id of the active experiment `name` in an MLflow SQL store, read with SQLAlchemy;
+    None when the store or the experiment does not exist (yet), or the store is not SQL."""
+    if store_uri.startswith("sqlite:///") and not Path(store_uri.removeprefix("sqlite:///")).is_file():
+        return None  # connecting would create an empty database file
+    import sqlalchemy
+
+    query = sqlalchemy.text("SELECT experiment_id FROM experiments WHERE name = :name AND lifecycle_stage = 'active'")
+    try:
+        engine = sqlalchemy.create_engine(store_uri)
+        try:
+            with engine.connect() as connection:
+                row = connection.execute(query, {"name": name}).first()
+        finally:
+            engine.dispose()
+    except Exception:  # no SQL store (a file or http URI), unreachable, or no tables yet
+        return None
+    return None if row is None else str(row[0])
+
+
+def ui_url(port: int, experiment: str | None) -> str:
+    """MLflow 3's UI opens an experiment on its GenAI overview; this parameter opens the runs table."""
+    base = f"http://127.0.0.1:{port}"
+    return base if experiment is None else f"{base}/#/experiments/{experiment}?workflowType=machine_learning"
+
+
+def run(args: argparse.Namespace) -> None:
+    from batchlab.config import load_config
+
     cfg = load_config(args.params)
     if args.stage == "validate":  # runs on every params change: no torch, no mlflow
         from batchlab.validate import validate
 
         validate(cfg)
         return
-    from batchlab import stages
+    if args.stage == "ui-url":
+        print(ui_url(args.port, experiment_id(args.store, cfg.tracking.experiment)))
+        return
+    from batchlab import launch, stages
 
+    if cfg.tracking.enabled and args.stage != "generate":
+        _silence_mlflow_prints()
     paths = stages.Paths(out=args.out)
     if args.stage == "generate":
         stages.generate(cfg, paths)
@@ -64,13 +180,17 @@ def run(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    level = os.environ.get("BATCHLAB_LOG", "INFO")
-    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
-    for noisy in ("mlflow", "alembic", "urllib3", "git", "filelock"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # --help and usage errors exit here, before anything heavier than argparse is imported
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    _configure_logging()
+    # the error types: none of these modules imports torch or mlflow
+    from batchlab import launch, tracking
+    from batchlab.config import ConfigError
+    from batchlab.data import DataError
+
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        run(sys.argv[1:] if argv is None else argv)
+        run(args)
     except (ConfigError, DataError) as err:
         print(f"batchlab: error: {err}", file=sys.stderr)
         return BAD_INPUT

@@ -1,0 +1,132 @@
+"""`batchlab`: options in either position, help that says what each stage reads and writes,
+no heavy import before the arguments are parsed, and one line per stage (no MLflow chatter)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from batchlab.cli import _parser
+from tests.conftest import REPO, TINY, env_with_venv, merge, run, write_params
+
+
+def _stages() -> dict[str, dict[str, list[object]]]:
+    return dict(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--params", "tiny.yaml", "--out", "exp1", "train"],
+        ["train", "--params", "tiny.yaml", "--out", "exp1"],
+        ["--params", "tiny.yaml", "train", "--out", "exp1"],
+    ],
+)
+def test_params_and_out_work_before_and_after_the_command(argv: list[str]) -> None:
+    args = _parser().parse_args(argv)
+    assert (args.stage, args.params, args.out) == ("train", Path("tiny.yaml"), Path("exp1"))
+
+
+def test_defaults_hold_when_no_option_is_given() -> None:
+    args = _parser().parse_args(["evaluate"])
+    assert (args.params, args.out) == (Path("params.yaml"), None)
+
+
+def _path(entry: object) -> str:
+    return next(iter(entry)) if isinstance(entry, dict) else str(entry)
+
+
+@pytest.mark.parametrize("stage", list(_stages()))
+def test_each_stage_help_lists_the_options_and_what_dvc_yaml_says_it_reads_and_writes(
+    stage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args([stage, "--help"])
+    assert exit_.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--params" in shown and "--out" in shown
+    spec = _stages()[stage]
+    files = [_path(e) for key in ("outs", "metrics") for e in spec.get(key, [])]
+    # data deps (not code, not validate's stamp, which every stage has)
+    files += [d for d in map(_path, spec["deps"]) if not d.startswith(("src/", ".batchlab/params.ok"))]
+    missing = [f for f in files if f not in shown]
+    assert not missing, f"`batchlab {stage} --help` does not mention {missing}:\n{shown}"
+
+
+# a fresh interpreter, so that sys.modules shows what the CLI itself imported
+IMPORTS = """
+import sys
+from batchlab.cli import main
+try:
+    status = main(sys.argv[2:])
+except SystemExit as exit_:
+    status = exit_.code
+print("imported:", ",".join(m for m in sys.argv[1].split(",") if m in sys.modules))
+sys.exit(status)
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "unwanted"),
+    [
+        # answered by argparse alone: not even numpy or pydantic
+        (["--help"], 0, "torch,mlflow,numpy,pydantic,yaml"),
+        (["train", "--help"], 0, "torch,mlflow,numpy,pydantic,yaml"),
+        (["train", "--bogus"], 2, "torch,mlflow,numpy,pydantic,yaml"),
+        # runs on every params change, tracking enabled or not
+        (["validate"], 0, "torch,mlflow,sklearn,pandas"),
+    ],
+)
+def test_help_usage_errors_and_validate_skip_the_heavy_imports(
+    argv: list[str], status: int, unwanted: str, tmp_path: Path
+) -> None:
+    tracked = {"tracking": {"enabled": True, "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}}
+    write_params(tmp_path, merge(TINY, tracked))
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORTS, unwanted, *argv],
+        cwd=tmp_path,
+        env=env_with_venv(),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == status, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "imported: ", proc.stdout
+    if argv == ["validate"]:
+        assert (tmp_path / ".batchlab/params.ok").is_file() and not (tmp_path / "mlflow.db").exists()
+
+
+MLFLOW_CHATTER = (
+    "INFO mlflow",
+    "Creating initial MLflow database tables",
+    "Updating database tables",
+    "Experiment with name",
+    "Successfully registered model",
+    "Created version",
+)
+
+
+@pytest.mark.slow
+def test_tracked_stages_print_their_own_lines_and_no_mlflow_info(tmp_path: Path) -> None:
+    tracked = {"tracking": {"enabled": True, "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}}
+    write_params(tmp_path, merge(TINY, tracked))
+    stderr = {stage: run(["batchlab", stage], tmp_path).stderr for stage in ("generate", "train", "evaluate")}
+    # the stages did create the store, log to MLflow and register a model: the silence below means something
+    assert "epoch 4/4" in stderr["train"] and "new 'champion'" in stderr["evaluate"], stderr
+    chatter = [
+        f"{stage}: {line}"
+        for stage, err in stderr.items()
+        for line in err.splitlines()
+        if any(noise in line for noise in MLFLOW_CHATTER)
+    ]
+    assert not chatter, chatter
+
+
+def test_ui_url_is_the_plain_address_until_the_store_exists_and_creates_nothing(tmp_path: Path) -> None:
+    write_params(tmp_path, TINY)
+    store = tmp_path / "mlflow.db"
+    shown = run(["batchlab", "ui-url", "--store", f"sqlite:///{store}", "--port", "5123"], tmp_path).stdout
+    assert shown.strip() == "http://127.0.0.1:5123" and not store.exists()
