@@ -107,18 +107,6 @@ def _configure_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _silence_mlflow_prints() -> None:
-    """mlflow print()s some news past any log level ("Successfully registered model…", "Created
-    version…") to a stream it shares with its log handler: switch the stream off and point the
-    handler at stderr, so its warnings and errors still show. Called only where mlflow is used."""
-    from mlflow.utils import logging_utils
-
-    for handler in logging.getLogger("mlflow").handlers:
-        if isinstance(handler, logging.StreamHandler) and handler.stream is logging_utils.MLFLOW_LOGGING_STREAM:
-            handler.setStream(sys.stderr)
-    logging_utils.disable_logging()
-
-
 def experiment_id(store_uri: str, name: str) -> str | None:
     """The id of the active experiment `name` in an MLflow SQL store, read with SQLAlchemy;
     None when the store or the experiment does not exist (yet), or the store is not SQL."""
@@ -160,7 +148,9 @@ def run(args: argparse.Namespace) -> None:
     from batchlab import launch, stages
 
     if cfg.tracking.enabled and args.stage != "generate":
-        _silence_mlflow_prints()
+        from batchlab.tracking import quiet_mlflow
+
+        quiet_mlflow()
     paths = stages.Paths(out=args.out)
     if args.stage == "generate":
         stages.generate(cfg, paths)

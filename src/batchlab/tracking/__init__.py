@@ -11,7 +11,7 @@
 `fit` and the stages receive a Tracker and never test a flag.
 """
 
-from batchlab.tracking.backend import TrackingUnavailable, check_reachable, prepare_backend, resolve_uri
+from batchlab.tracking.backend import TrackingUnavailable, check_reachable, prepare_backend, quiet_mlflow, resolve_uri
 from batchlab.tracking.base import CHAMPION, Resumable, Tracker
 from batchlab.tracking.lifecycle import Interrupted, attach, run
 from batchlab.tracking.provenance import environment_tags
@@ -26,6 +26,7 @@ __all__ = [
     "check_reachable",
     "environment_tags",
     "prepare_backend",
+    "quiet_mlflow",
     "resolve_uri",
     "run",
 ]

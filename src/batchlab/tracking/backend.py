@@ -4,7 +4,9 @@ concurrent writers. Fails in seconds with one line naming the URI instead of han
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -94,3 +96,15 @@ def reachable(uri: str) -> bool:
         return True
     except TrackingUnavailable:
         return False
+
+
+def quiet_mlflow() -> None:
+    """mlflow print()s some news past any log level ("Successfully registered model…", "Created
+    version…") to a stream it shares with its log handler: switch the stream off and point the
+    handler at stderr, so its warnings and errors still show. Called only where mlflow is used."""
+    from mlflow.utils import logging_utils
+
+    for handler in logging.getLogger("mlflow").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is logging_utils.MLFLOW_LOGGING_STREAM:
+            handler.setStream(sys.stderr)
+    logging_utils.disable_logging()
