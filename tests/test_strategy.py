@@ -9,7 +9,7 @@ import torch
 
 from batchlab.config import ConfigError
 from batchlab.data import Dataset, build
-from batchlab.strategy import Strategy, check_supported
+from batchlab.strategy import Strategy, check_supported, describe
 from batchlab.train import fit
 from tests.conftest import tiny_config
 
@@ -62,7 +62,8 @@ def test_strategy_members_are_safe_on_one_process() -> None:
     assert isinstance(CPU.autocast(), contextlib.nullcontext)
     assert not CPU.scaler.is_enabled() and CPU.is_main
     assert [b.tolist() for b in CPU.micro_batches(model, torch.arange(8))] == [list(range(8))]
-    assert CPU.describe() == {"strategy": "single", "device": "cpu", "precision": "fp32", "world_size": "1"}
+    ddp = tiny_config(train={"strategy": "ddp", "nproc": 2}).train
+    assert describe(ddp) == {"strategy": "ddp", "device": "cpu", "precision": "fp32", "world_size": "2"}
 
 
 def test_micro_batches_are_disjoint_equal_slices_of_the_global_batch() -> None:

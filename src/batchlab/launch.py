@@ -8,7 +8,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from batchlab import loopback
 from batchlab.config import TrainConfig
 
 RUN_ID_ENV = "BATCHLAB_RUN_ID"
@@ -35,10 +34,17 @@ def torchrun_args(cfg: TrainConfig) -> list[str]:
             "--master-addr", host, "--master-port", port]  # fmt: skip
 
 
+def threads_per_process(processes: int) -> int:
+    """This machine's cores shared by `processes` processes: more threads than cores only spin."""
+    return max(1, (os.cpu_count() or 1) // processes)
+
+
 def worker_env(cfg: TrainConfig, run_id: str | None) -> dict[str, str]:
+    from batchlab import loopback  # torch.distributed: imported where ranks start, not for `--help`
+
     env = dict(os.environ)
     # processes fight over cores unless each is told its share
-    threads = cfg.threads or max(1, (os.cpu_count() or 1) // cfg.nproc)
+    threads = cfg.threads or threads_per_process(cfg.nproc)
     env["OMP_NUM_THREADS"] = str(threads)
     env["BATCHLAB_THREADS"] = str(threads)
     # torch 2.13 reuses the agent's TCPStore across restart rounds, and restarted gloo ranks
@@ -58,7 +64,8 @@ def worker_env(cfg: TrainConfig, run_id: str | None) -> dict[str, str]:
 
 
 def launch_command(cfg: TrainConfig, stage_args: list[str]) -> list[str]:
-    """torchrun running `batchlab <stage_args>`; on one machine, the variant whose stores listen on loopback."""
+    """
+    torchrun running `batchlab <stage_args>`; on one machine, the variant whose stores listen on loopback."""
     launcher = "batchlab.loopback" if cfg.nnodes == 1 else "torch.distributed.run"
     return [sys.executable, "-m", launcher, *torchrun_args(cfg), "-m", "batchlab.cli", *stage_args]
 

@@ -18,10 +18,11 @@ import torch
 
 from batchlab import atomic, data, export, launch, report, resume, tracking
 from batchlab import config as config_module
-from batchlab.config import Config, ConfigError
+from batchlab.config import Config
 from batchlab.model import load_model, save_model
-from batchlab.strategy import check_supported, resolve_device, started
-from batchlab.train import fingerprint, fit, steps_per_epoch
+from batchlab.strategy import check_supported, describe, started
+from batchlab.train import fingerprint, fit
+from batchlab.validate import batch_fits
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +85,6 @@ def generate(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
     return summary
 
 
-def _check_batch_fits(cfg: Config, dataset: data.Dataset) -> None:
-    n_train = dataset.train.y.shape[0]
-    if steps_per_epoch(n_train, cfg.train.batch_size) == 0:
-        raise ConfigError(f"train.batch_size ({cfg.train.batch_size}) is larger than the train split ({n_train} rows)")
-
-
 def train_worker(
     cfg: Config, paths: Paths, tracker: tracking.Tracker | None = None, dataset: data.Dataset | None = None
 ) -> None:
@@ -125,8 +120,8 @@ def train(
 ) -> dict[str, Any]:
     """Train on the prepared data; under `strategy: ddp` start the ranks through torchrun."""
     dataset = data.load(paths.data)
-    _check_batch_fits(cfg, dataset)
-    check_supported(cfg.train)
+    batch_fits(cfg.train.batch_size, dataset.train.y.shape[0], "train.batch_size")
+    check_supported(cfg.train)  # once, before any process starts
     # ranks start in paths.root, so every path they are given is absolute
     worker_args = ["--params", str(params.resolve()), "--out", str(paths.outputs.resolve()), "train"]
     if cfg.train.node_rank > 0:  # another machine's ranks: node 0 tracks and writes every output
@@ -142,7 +137,7 @@ def train(
         if previous is None or tracker.run_id != previous.run_id:  # a continued run has them already
             tracker.log_params(cfg.flat())
             tracker.log_datasets(dataset, cfg.data.source)
-        tracker.set_tags({f"train.{k}": v for k, v in _strategy_tags(cfg).items()})
+        tracker.set_tags({f"train.{k}": v for k, v in describe(cfg.train).items()})
         launch.start_ranks(
             cfg.train, worker_args, paths.root, tracker.run_id, lambda: train_worker(cfg, paths, tracker, dataset)
         )
@@ -154,12 +149,6 @@ def train(
         atomic.write_json(paths.run_info, info)
     resume.forget(paths.checkpoint)
     return info
-
-
-def _strategy_tags(cfg: Config) -> dict[str, str]:
-    tc = cfg.train
-    return {"strategy": tc.strategy, "precision": tc.precision, "device": resolve_device(tc).type,
-            "world_size": str(tc.world_size())}  # fmt: skip
 
 
 def _run_id(paths: Paths) -> tuple[str | None, str | None]:

@@ -49,6 +49,12 @@ def check_supported(cfg: TrainConfig) -> None:
         raise ConfigError("train.precision fp16 needs a GPU of compute capability 5.3 or newer; use fp32")
 
 
+def describe(cfg: TrainConfig) -> dict[str, str]:
+    """The strategy as run tags: what the launcher decides, before any rank exists."""
+    return {"strategy": cfg.strategy, "precision": cfg.precision, "device": resolve_device(cfg).type,
+            "world_size": str(cfg.world_size())}  # fmt: skip
+
+
 class CollectiveTimeout(RuntimeError):
     """A DDP collective waited longer than train.dist_timeout_s."""
 
@@ -71,8 +77,8 @@ class Strategy:
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> Strategy:
-        """Single process, or one rank of a group started by torchrun (RANK/WORLD_SIZE set)."""
-        check_supported(cfg)
+        """Single process, or one rank of a group started by torchrun (RANK/WORLD_SIZE set).
+        stages.train has run check_supported before starting it."""
         device = resolve_device(cfg)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
@@ -102,14 +108,6 @@ class Strategy:
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
-
-    def describe(self) -> dict[str, str]:
-        return {
-            "strategy": "ddp" if self.is_distributed else "single",
-            "device": str(self.device.type),
-            "precision": self.precision,
-            "world_size": str(self.world_size),
-        }
 
     def autocast(self) -> contextlib.AbstractContextManager[object]:
         if self.precision == "fp32":

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from batchlab import atomic, data, report, stages, tracking
-from batchlab.config import Config, ConfigError, dump_config, parse_config
-from batchlab.train import steps_per_epoch
+from batchlab import atomic, data, launch, report, stages, tracking
+from batchlab.config import Config, dump_config, parse_config
+from batchlab.validate import batches_fit
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +52,7 @@ def scaled_lr(base_lr: float, base_batch: int, batch: int, rule: str) -> float:
 
 def plan(cfg: Config, n_train: int) -> list[Experiment]:
     """Every (batch size, seed) pair; rejects a batch the train split cannot fill before anything runs."""
-    too_big = [b for b in cfg.sweep.batch_sizes if steps_per_epoch(n_train, b) == 0]
-    if too_big:
-        raise ConfigError(f"sweep.batch_sizes {too_big} are larger than the train split ({n_train} rows)")
+    batches_fit(cfg, n_train)
     epochs = cfg.sweep.epochs or cfg.train.epochs
     return [
         Experiment(b, seed, scaled_lr(cfg.train.lr, cfg.train.batch_size, b, cfg.sweep.lr_scaling), epochs)
@@ -140,7 +138,7 @@ def run_one(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: st
     sweep.parallel experiments run at once."""
     if cfg.sweep.parallel == 1:
         return run_experiment(cfg, exp, paths, parent_run_id)
-    threads = max(1, (os.cpu_count() or 1) // cfg.sweep.parallel)
+    threads = launch.threads_per_process(cfg.sweep.parallel)
     # spawn: torch and fork do not mix; a fresh process also gives an honest peak-memory figure
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
         return pool.submit(_isolated, cfg, exp, paths, parent_run_id, threads).result()

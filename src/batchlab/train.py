@@ -22,6 +22,7 @@ from batchlab.data import Dataset, Split
 from batchlab.model import build_model
 from batchlab.strategy import Strategy
 from batchlab.tracking import Tracker
+from batchlab.validate import batch_fits
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +171,7 @@ def fit(
     tracker = tracker or Tracker()
     n_train = dataset.train.y.shape[0]
     steps = steps_per_epoch(n_train, tc.batch_size)
-    if steps == 0:
-        raise ValueError(f"train.batch_size ({tc.batch_size}) is larger than the train split ({n_train} rows)")
+    batch_fits(tc.batch_size, n_train, "train.batch_size")
     if strategy.grad_accum_steps != tc.grad_accum_steps:
         raise ValueError(
             f"the strategy accumulates {strategy.grad_accum_steps} micro-batches per step, "

@@ -38,10 +38,15 @@ def train_rows(cfg: DataConfig, root: Path = Path(".")) -> int | None:
     return split_sizes(rows, cfg.test_fraction, cfg.val_fraction / (1 - cfg.test_fraction))[0]
 
 
+def batch_fits(batch_size: int, n_train: int, key: str) -> None:
+    """A batch fills at least one step of the train split (every step is a full batch)."""
+    if batch_size > n_train:
+        raise ConfigError(f"{key} ({batch_size}) is larger than the train split ({n_train} rows)")
+
+
 def batches_fit(cfg: Config, n_train: int) -> None:
     """Every batch size the params ask for fills at least one step of the train split."""
-    if cfg.train.batch_size > n_train:
-        raise ConfigError(f"train.batch_size ({cfg.train.batch_size}) is larger than the train split ({n_train} rows)")
+    batch_fits(cfg.train.batch_size, n_train, "train.batch_size")
     too_big = [b for b in cfg.sweep.batch_sizes if b > n_train]
     if too_big:
         raise ConfigError(f"sweep.batch_sizes {too_big} are larger than the train split ({n_train} rows)")
