@@ -101,15 +101,15 @@ def per_epoch_costs(cfg: Config, dataset: data.Dataset) -> dict[str, Any]:
     }
 
 
-def stage_costs(on: Config, off: Config, params: Path, paths: stages.Paths) -> dict[str, float]:
+def stage_costs(on: Config, off: Config, paths: stages.Paths) -> dict[str, float]:
     """The whole train stage: run creation, params, datasets, per-epoch metrics, model logging."""
-    stages.train(on, params, paths)  # warm-up: imports and the experiment's first run
-    stages.train(off, params, paths)
+    stages.train(on, paths)  # warm-up: imports and the experiment's first run
+    stages.train(off, paths)
     walls: dict[str, list[float]] = {"on": [], "off": []}
     for repeat in range(REPEATS):
         progress(f"tracking: train stage on/off, repeat {repeat + 1}/{REPEATS}")
-        walls["on"].append(timed(lambda: stages.train(on, params, paths))[1])
-        walls["off"].append(timed(lambda: stages.train(off, params, paths))[1])
+        walls["on"].append(timed(lambda: stages.train(on, paths))[1])
+        walls["off"].append(timed(lambda: stages.train(off, paths))[1])
     return {
         "stage_on_s": statistics.median(walls["on"]),
         "stage_off_s": statistics.median(walls["off"]),
@@ -135,7 +135,7 @@ def main() -> dict[str, Any]:
         dataset = data.load(paths.data)
         once = one_off_costs(on, root, dataset)
         epoch = per_epoch_costs(on, dataset)
-        stage = stage_costs(on, off, params, paths)
+        stage = stage_costs(on, off, paths)
 
     train_s = epoch["fit_null_s"]
     share = epoch["log_epoch_total_s"] / train_s

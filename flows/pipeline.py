@@ -40,27 +40,27 @@ def generate(cfg: Config, root: str) -> dict[str, Any]:
 
 
 @task(name="train", **RETRY)  # type: ignore[call-overload]
-def train(cfg: Config, params: Path, root: str) -> dict[str, Any]:
+def train(cfg: Config, root: str) -> dict[str, Any]:
     tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_name": str(flow_run.flow_name)}
-    return stages.train(cfg, params, stages.Paths(Path(root)), tags=tags)
+    return stages.train(cfg, stages.Paths(Path(root)), tags=tags)
 
 
 @task(name="evaluate", **RETRY)  # type: ignore[call-overload]
 def evaluate(cfg: Config, root: str) -> dict[str, float]:
-    return stages.evaluate_stage(cfg, stages.Paths(Path(root)))
+    return stages.evaluate(cfg, stages.Paths(Path(root)))
 
 
 @task(name="export", **RETRY)  # type: ignore[call-overload]
 def export(cfg: Config, root: str) -> dict[str, Any]:
-    return stages.export_stage(cfg, stages.Paths(Path(root)))
+    return stages.export(cfg, stages.Paths(Path(root)))
 
 
 @flow(name="batchlab-pipeline", log_prints=True)
 def pipeline(params: str = "params.yaml", overrides: dict[str, Any] | None = None, root: str = ".") -> dict[str, Any]:
     """Train, evaluate and export from `params` (paths relative to `root`); overrides as {"train.lr": 0.01}."""
-    cfg, resolved = orchestration.resolve(params, overrides, root)
+    cfg = orchestration.resolve(params, overrides, root)
     generate.with_options(refresh_cache=orchestration.refresh_generate(cfg, root))(cfg, root)
-    info = train(cfg, resolved, root)
+    info = train(cfg, root)
     metrics = evaluate(cfg, root)
     report = export(cfg, root)
     create_markdown_artifact(

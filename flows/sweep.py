@@ -17,7 +17,7 @@ from prefect.cache_policies import NONE
 from prefect.futures import PrefectFuture
 from prefect.tasks import exponential_backoff
 
-from batchlab import orchestration, stages, sweep
+from batchlab import orchestration, stages, sweep, sweep_lock
 from batchlab.config import Config
 from pipeline import generate  # flows/ is on sys.path when a flow file runs
 
@@ -40,8 +40,8 @@ def batch_size_sweep(
 ) -> dict[str, Any]:
     """Train at every sweep.batch_sizes under identical conditions; report the trade-off."""
     paths = stages.Paths(Path(root))
-    with sweep.exclusive(paths):  # the lock `batchlab sweep` takes: one sweep per folder, flow or CLI
-        cfg, _ = orchestration.resolve(params, overrides, root)
+    with sweep_lock.exclusive(paths):  # the lock `batchlab sweep` takes: one sweep per folder, flow or CLI
+        cfg = orchestration.resolve(params, overrides, root)
         generate.with_options(refresh_cache=orchestration.refresh_generate(cfg, root))(cfg, root)
         plan = sweep.prepare(cfg, paths)
         with sweep.parent_run(cfg, paths, plan) as parent:

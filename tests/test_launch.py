@@ -61,7 +61,7 @@ def test_worker_env_shares_cores_between_ranks_and_passes_the_run_id(monkeypatch
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     monkeypatch.setenv(launch.RUN_ID_ENV, "stale")
     env = launch.worker_env(_train(nproc=2, threads=0), run_id=None)
-    assert env["OMP_NUM_THREADS"] == env["BATCHLAB_THREADS"] == "4"
+    assert env["OMP_NUM_THREADS"] == "4"
     assert launch.RUN_ID_ENV not in env
     assert launch.worker_env(_train(nproc=2), run_id="abc")[launch.RUN_ID_ENV] == "abc"
 

@@ -32,9 +32,9 @@ def _uri(tmp_path: Path) -> str:
 def _pipeline(cfg: Config, root: Path) -> str:
     paths = stages.Paths(root)
     stages.generate(cfg, paths)
-    info = stages.train(cfg, root / "params.yaml", paths)
-    stages.evaluate_stage(cfg, paths)
-    stages.export_stage(cfg, paths)
+    info = stages.train(cfg, paths)
+    stages.evaluate(cfg, paths)
+    stages.export(cfg, paths)
     return str(info["run_id"])
 
 

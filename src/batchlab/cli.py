@@ -158,15 +158,13 @@ def run(args: argparse.Namespace) -> None:
         if launch.is_worker():
             stages.train_worker(cfg, paths)
         else:
-            stages.train(cfg, args.params, paths)
+            stages.train(cfg, paths)
     elif args.stage == "evaluate":
-        stages.evaluate_stage(cfg, paths)
+        stages.evaluate(cfg, paths)
     elif args.stage == "export":
-        stages.export_stage(cfg, paths)
+        stages.export(cfg, paths)
     elif args.stage == "sweep":
-        from batchlab import sweep  # scikit-learn and matplotlib: imported by this stage only
-
-        sweep.run_sweep(cfg, paths)
+        print(stages.sweep(cfg, paths)["markdown"])  # the trade-off table, for the person who ran it
 
 
 def main(argv: list[str] | None = None) -> int:

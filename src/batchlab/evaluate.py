@@ -1,13 +1,16 @@
-"""Test-split metrics from predictions, computed with scikit-learn."""
+"""Test-split metrics of a model, computed with scikit-learn, and the files evaluate writes."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+import torch
 from sklearn import metrics as skm
 
 from batchlab import atomic
+from batchlab.data import Dataset
+from batchlab.model import load_model
 
 
 def classification_metrics(
@@ -59,3 +62,12 @@ def predictions_csv(y_true: np.ndarray, y_pred: np.ndarray, class_names: list[st
     """One row per test example, the shape `dvc plots` confusion templates read."""
     rows = ["actual,predicted"] + [f"{class_names[t]},{class_names[p]}" for t, p in zip(y_true, y_pred, strict=True)]
     return "\n".join(rows) + "\n"
+
+
+def score_test_split(model_path: Path, dataset: Dataset) -> tuple[dict[str, float], np.ndarray, list[str]]:
+    """Test-split metrics of a saved model; also its predictions and class names."""
+    model, class_names = load_model(model_path)
+    with torch.no_grad():
+        proba = torch.softmax(model(torch.from_numpy(dataset.test.x)), dim=1).numpy()
+    y_pred = proba.argmax(1)
+    return classification_metrics(dataset.test.y, y_pred, proba, class_names), y_pred, class_names

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from batchlab.config import TrainConfig
@@ -46,7 +45,6 @@ def worker_env(cfg: TrainConfig, run_id: str | None) -> dict[str, str]:
     # processes fight over cores unless each is told its share
     threads = cfg.threads or threads_per_process(cfg.nproc)
     env["OMP_NUM_THREADS"] = str(threads)
-    env["BATCHLAB_THREADS"] = str(threads)
     # torch 2.13 reuses the agent's TCPStore across restart rounds, and restarted gloo ranks
     # then read the dead ranks' addresses ("connectFullMesh ... Connection refused")
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -64,20 +62,14 @@ def worker_env(cfg: TrainConfig, run_id: str | None) -> dict[str, str]:
 
 
 def launch_command(cfg: TrainConfig, stage_args: list[str]) -> list[str]:
-    """
-    torchrun running `batchlab <stage_args>`; on one machine, the variant whose stores listen on loopback."""
+    """torchrun running `batchlab <stage_args>`; on one machine, the variant whose stores listen on loopback."""
     launcher = "batchlab.loopback" if cfg.nnodes == 1 else "torch.distributed.run"
     return [sys.executable, "-m", launcher, *torchrun_args(cfg), "-m", "batchlab.cli", *stage_args]
 
 
-def start_ranks(
-    cfg: TrainConfig, stage_args: list[str], cwd: Path, run_id: str | None, in_process: Callable[[], None]
-) -> None:
-    """Train on this machine: `in_process` for a single process, or every local rank via torchrun."""
-    if cfg.strategy == "ddp":
-        launch(cfg, stage_args, cwd, run_id)
-    else:
-        in_process()
+def uses_torchrun(cfg: TrainConfig) -> bool:
+    """Whether training starts ranks through torchrun, or runs in the calling process."""
+    return cfg.strategy == "ddp"
 
 
 def launch(cfg: TrainConfig, stage_args: list[str], cwd: Path, run_id: str | None) -> None:

@@ -6,8 +6,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from batchlab import atomic, launch, stages, tracking
-from batchlab.config import Config, ConfigError, dump_config, load_config
+from batchlab import launch, stages, tracking
+from batchlab.config import Config, ConfigError, load_config
 from batchlab.data import DataError
 
 # worth another try: a tracking server that is restarting, a DDP launcher that lost a rank
@@ -39,13 +39,11 @@ def refresh_generate(cfg: Config, root: str) -> bool:
     return not stages.generated_is_current(cfg, stages.Paths(Path(root)))
 
 
-def resolve(params: str, overrides: dict[str, Any] | None, root: str) -> tuple[Config, Path]:
-    """Load params with overrides, and write the resolved file that DDP ranks will read."""
+def resolve(params: str, overrides: dict[str, Any] | None, root: str) -> Config:
+    """Load params with overrides (stages.train hands DDP ranks the resolved config itself)."""
     logging.getLogger("batchlab").setLevel(logging.INFO)  # shown in Prefect with PREFECT_LOGGING_EXTRA_LOGGERS
     cfg = load_config(Path(root) / params, overrides)
-    resolved = Path(root) / ".batchlab" / "flow-params.yaml"
-    atomic.write_text(resolved, dump_config(cfg))
-    return cfg, resolved
+    return cfg
 
 
 def metrics_markdown(metrics: dict[str, float], run_id: str | None) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 from batchlab import atomic
 
 # what each experiment records, in the order the table shows it
-NUMERIC = (
+FIGURES = (
     "test_f1_macro",
     "test_accuracy",
     "samples_per_s",
@@ -39,7 +39,7 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for batch, runs in sorted(by_batch.items()):
         row: dict[str, Any] = {"batch_size": batch, "lr": runs[0]["lr"], "seeds": len(runs)}
-        for key in NUMERIC:
+        for key in FIGURES:
             values = [float(r[key]) for r in runs]
             row[f"{key}_mean"] = statistics.fmean(values)
             row[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from batchlab import atomic, data, export, launch, report, resume, tracking
+from batchlab import atomic, data, launch, report, resume, tracking
 from batchlab import config as config_module
-from batchlab.config import Config
+from batchlab import export as onnx
+from batchlab.config import Config, dump_config
 from batchlab.model import load_model, save_model
 from batchlab.strategy import check_supported, describe, started
 from batchlab.train import fingerprint, fit
@@ -89,9 +89,8 @@ def train_worker(
     cfg: Config, paths: Paths, tracker: tracking.Tracker | None = None, dataset: data.Dataset | None = None
 ) -> None:
     """One training process: the only one, or one rank under torchrun. Rank 0 writes the outputs."""
-    threads = cfg.train.threads or int(os.environ.get("BATCHLAB_THREADS", "0"))
-    if threads:
-        torch.set_num_threads(threads)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
     if dataset is None:  # a rank under torchrun reads it itself
         dataset = data.load(paths.data)
     with started(cfg.train) as strategy:
@@ -110,22 +109,30 @@ def train_worker(
             paths.checkpoint.unlink(missing_ok=True)
 
 
+def _rank_args(cfg: Config, paths: Paths) -> list[str]:
+    """The one channel from launcher to ranks: the resolved config, threads included, written once."""
+    threads = cfg.train.threads or launch.threads_per_process(cfg.train.nproc)
+    resolved = cfg.model_copy(update={"train": cfg.train.model_copy(update={"threads": threads})})
+    params = paths.outputs / ".batchlab" / "rank-params.yaml"
+    atomic.write_text(params, dump_config(resolved))
+    # ranks start in paths.root, so every path they are given is absolute
+    return ["--params", str(params.resolve()), "--out", str(paths.outputs.resolve()), "train"]
+
+
 def train(
     cfg: Config,
-    params: Path,
     paths: Paths = Paths(),
     parent_run_id: str | None = None,
     name: str | None = None,
     tags: dict[str, str] | None = None,
+    dataset: data.Dataset | None = None,
 ) -> dict[str, Any]:
-    """Train on the prepared data; under `strategy: ddp` start the ranks through torchrun."""
-    dataset = data.load(paths.data)
+    """Train on the prepared data, in this process or, under `strategy: ddp`, on ranks started by torchrun."""
+    dataset = dataset or data.load(paths.data)
     batch_fits(cfg.train.batch_size, dataset.train.y.shape[0], "train.batch_size")
     check_supported(cfg.train)  # once, before any process starts
-    # ranks start in paths.root, so every path they are given is absolute
-    worker_args = ["--params", str(params.resolve()), "--out", str(paths.outputs.resolve()), "train"]
     if cfg.train.node_rank > 0:  # another machine's ranks: node 0 tracks and writes every output
-        launch.launch(cfg.train, worker_args, paths.root, run_id=None)
+        launch.launch(cfg.train, _rank_args(cfg, paths), paths.root, run_id=None)
         return {}
     tc = cfg.train
     name = name or f"bs{tc.batch_size}-lr{tc.lr:g}-{tc.strategy}-{tc.precision}"
@@ -138,9 +145,10 @@ def train(
             tracker.log_params(cfg.flat())
             tracker.log_datasets(dataset, cfg.data.source)
         tracker.set_tags({f"train.{k}": v for k, v in describe(cfg.train).items()})
-        launch.start_ranks(
-            cfg.train, worker_args, paths.root, tracker.run_id, lambda: train_worker(cfg, paths, tracker, dataset)
-        )
+        if launch.uses_torchrun(cfg.train):
+            launch.launch(cfg.train, _rank_args(cfg, paths), paths.root, tracker.run_id)
+        else:
+            train_worker(cfg, paths, tracker, dataset)
         model, _ = load_model(paths.model)
         model_uri = tracker.log_torch_model(model, dataset.test.x[:5])
         tracker.log_artifact(paths.reports / "history.csv")
@@ -151,35 +159,23 @@ def train(
     return info
 
 
-def _run_id(paths: Paths) -> tuple[str | None, str | None]:
-    if not paths.run_info.is_file():
-        return None, None
-    info = json.loads(paths.run_info.read_text())
-    return info.get("run_id"), info.get("model_uri")
+def _run_info(paths: Paths) -> dict[str, Any]:
+    """What train handed on (reports/train.json): the MLflow run to log into, and the model's URI."""
+    return json.loads(paths.run_info.read_text()) if paths.run_info.is_file() else {}
 
 
-def score_test_split(model_path: Path, dataset: data.Dataset) -> tuple[dict[str, float], np.ndarray, list[str]]:
-    """Test-split metrics of a saved model; also its predictions and class names."""
-    from batchlab import evaluate  # scikit-learn: ~1 s to import, needed when scoring only
-
-    model, class_names = load_model(model_path)
-    with torch.no_grad():
-        proba = torch.softmax(model(torch.from_numpy(dataset.test.x)), dim=1).numpy()
-    y_pred = proba.argmax(1)
-    return evaluate.classification_metrics(dataset.test.y, y_pred, proba, class_names), y_pred, class_names
-
-
-def evaluate_stage(cfg: Config, paths: Paths = Paths()) -> dict[str, float]:
-    from batchlab import evaluate
+def evaluate(cfg: Config, paths: Paths = Paths()) -> dict[str, float]:
+    from batchlab import evaluate as scoring  # scikit-learn: ~1 s to import, needed when scoring only
 
     dataset = data.load(paths.data)
-    metrics, y_pred, class_names = score_test_split(paths.model, dataset)
+    metrics, y_pred, class_names = scoring.score_test_split(paths.model, dataset)
     y_true = dataset.test.y
-    run_id, model_uri = _run_id(paths)
+    info = _run_info(paths)
+    run_id, model_uri = info.get("run_id"), info.get("model_uri")
     with tracking.run(cfg.tracking, run_id=run_id, enabled=run_id is not None) as tracker:
-        matrix = evaluate.confusion(y_true, y_pred, len(class_names))
-        evaluate.save_confusion_png(matrix, class_names, paths.reports / "confusion.png")
-        atomic.write_text(paths.reports / "predictions.csv", evaluate.predictions_csv(y_true, y_pred, class_names))
+        matrix = scoring.confusion(y_true, y_pred, len(class_names))
+        scoring.save_confusion_png(matrix, class_names, paths.reports / "confusion.png")
+        atomic.write_text(paths.reports / "predictions.csv", scoring.predictions_csv(y_true, y_pred, class_names))
         atomic.write_json(paths.reports / "metrics.json", metrics)
         tracker.log_metrics({f"test_{k}": v for k, v in metrics.items()})
         for name in ("metrics.json", "confusion.png"):
@@ -191,15 +187,15 @@ def evaluate_stage(cfg: Config, paths: Paths = Paths()) -> dict[str, float]:
     return metrics
 
 
-def export_stage(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
+def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
     dataset = data.load(paths.data)
     model, _ = load_model(paths.model)
-    run_id, _ = _run_id(paths)
+    run_id = _run_info(paths).get("run_id")
     with tracking.run(cfg.tracking, run_id=run_id, enabled=run_id is not None) as tracker:
-        export.export_onnx(model, dataset.n_features, paths.onnx, cfg.export.opset)
+        onnx.export_onnx(model, dataset.n_features, paths.onnx, cfg.export.opset)
         try:
-            parity = export.check_parity(model, paths.onnx, dataset.test.x, cfg.export.atol)
-        except export.ParityError:
+            parity = onnx.check_parity(model, paths.onnx, dataset.test.x, cfg.export.atol)
+        except onnx.ParityError:
             paths.onnx.unlink(missing_ok=True)  # a model that disagrees with torch is not an output
             raise
         export_report: dict[str, Any] = {
@@ -208,7 +204,7 @@ def export_stage(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
             "file_bytes": paths.onnx.stat().st_size,
             "parity": [p.__dict__ for p in parity],
             "max_abs_diff": max(p.max_abs_diff for p in parity),
-            "latency": export.latency_us(model, paths.onnx, dataset.test.x),
+            "latency": onnx.latency_us(model, paths.onnx, dataset.test.x),
         }
         atomic.write_json(paths.reports / "export.json", export_report)
         latency = {f"export_{k}": v for k, v in export_report["latency"].items()}
@@ -223,3 +219,10 @@ def export_stage(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
         tracker.log_onnx_model(paths.onnx)
     log.info("export: %s, max |onnx - torch| = %.2e", paths.onnx, export_report["max_abs_diff"])
     return export_report
+
+
+def sweep(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
+    """The batch-size study: every sweep.batch_sizes x seeds experiment, then the trade-off report."""
+    from batchlab import sweep as study  # scikit-learn and matplotlib: imported by this stage only
+
+    return study.run_sweep(cfg, paths)

@@ -8,12 +8,10 @@ reruns as a no-op. One sweep at a time per folder: a second one is refused (Swee
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import math
-import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -25,8 +23,9 @@ from typing import Any
 
 import torch
 
-from batchlab import atomic, data, launch, report, stages, tracking
-from batchlab.config import Config, dump_config, parse_config
+from batchlab import atomic, data, evaluate, launch, report, stages, tracking
+from batchlab.config import Config, parse_config
+from batchlab.sweep_lock import exclusive
 from batchlab.validate import batches_fit
 
 log = logging.getLogger(__name__)
@@ -82,14 +81,12 @@ def run_experiment(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run
     """Train and test one experiment in its own folder; returns its result row."""
     started = time.perf_counter()
     out = paths.outputs / "sweep" / "experiments" / exp.name
-    exp_cfg = experiment_config(cfg, exp)
-    params = out / "params.yaml"
-    atomic.write_text(params, dump_config(exp_cfg))
     exp_paths = stages.Paths(root=paths.root, out=out)
-    info = stages.train(exp_cfg, params, exp_paths, parent_run_id=parent_run_id, name=exp.name)
-    history = [{k: float(v) for k, v in row.items()} for row in report.read_csv(exp_paths.reports / "history.csv")]
     dataset = data.load(paths.data)
-    test, _, _ = stages.score_test_split(exp_paths.model, dataset)
+    tags = {"sweep.batch_size": str(exp.batch_size), "sweep.seed": str(exp.seed)}
+    info = stages.train(experiment_config(cfg, exp), exp_paths, parent_run_id, exp.name, tags, dataset)
+    history = [{k: float(v) for k, v in row.items()} for row in report.read_csv(exp_paths.reports / "history.csv")]
+    test, _, _ = evaluate.score_test_split(exp_paths.model, dataset)
     train_seconds = sum(h["epoch_seconds"] for h in history)
     result = {
         **asdict(exp),
@@ -111,8 +108,7 @@ def run_experiment(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run
     result["overhead_seconds"] = time.perf_counter() - started - train_seconds
     result["finished_at"] = time.time()  # what a killed sweep's next attempt counts its wall time up to
     with tracking.run(cfg.tracking, run_id=info.get("run_id"), enabled=info.get("run_id") is not None) as tracker:
-        tracker.log_metrics({k: float(result[k]) for k in report.NUMERIC if k in result})
-        tracker.set_tags({"sweep.batch_size": str(exp.batch_size), "sweep.seed": str(exp.seed)})
+        tracker.log_metrics({k: float(result[k]) for k in report.FIGURES if k in result})
     atomic.write_json(out / "result.json", result)
     log.info("sweep: %s f1 %.4f, %.0f samples/s", exp.name, result["test_f1_macro"], result["samples_per_s"])
     return result
@@ -128,8 +124,7 @@ def _finished(path: Path, expected: str) -> dict[str, Any] | None:
 def _isolated(
     cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None, threads: int
 ) -> dict[str, Any]:
-    torch.set_num_threads(threads)
-    os.environ["BATCHLAB_THREADS"] = str(threads)
+    torch.set_num_threads(threads)  # this process's share of the cores (train.threads: 0 keeps it)
     return run_experiment(cfg, exp, paths, parent_run_id)
 
 
@@ -147,37 +142,6 @@ def run_one(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: st
 def lanes(experiments: list[Experiment], parallel: int) -> list[list[Experiment]]:
     """Split experiments into `parallel` queues that run side by side, each one at a time."""
     return [experiments[i::parallel] for i in range(min(parallel, len(experiments)))]
-
-
-class SweepBusy(RuntimeError):
-    """Another sweep holds this folder's lock."""
-
-
-def lock_path(paths: stages.Paths) -> Path:
-    # outside sweep/ (a DVC output): the lock file must not change what DVC hashes
-    return paths.outputs / ".batchlab" / "sweep.lock"
-
-
-@contextlib.contextmanager
-def exclusive(paths: stages.Paths) -> Iterator[None]:
-    """Hold this folder's sweep lock, or refuse at once: two sweeps at once would train the same
-    experiments, resume from each other's half-written checkpoints and open two parent runs."""
-    path = lock_path(paths)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # no O_TRUNC: the holder's pid stays readable
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise SweepBusy(
-                f"another sweep is running in this folder (pid {owner}, lock {path}); wait for it or stop it"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # releases the lock; the kernel releases it too when the process dies
 
 
 @dataclass
@@ -304,12 +268,11 @@ def finish(
 
 
 def run_sweep(cfg: Config, paths: stages.Paths) -> dict[str, Any]:
-    """Run every experiment not already finished, then write and print the trade-off report."""
+    """Run every experiment not already finished, then write the trade-off report."""
     with exclusive(paths):
         sweep = prepare(cfg, paths)
         with parent_run(cfg, paths, sweep) as parent, ThreadPoolExecutor(max_workers=cfg.sweep.parallel) as pool:
             futures = {e.name: pool.submit(run_one, cfg, e, paths, parent.run_id) for e in sweep.todo}
             results = {name: future.result() for name, future in futures.items()}
             summary = finish(paths, sweep, results, parent)
-    print(summary["markdown"])
     return summary
