@@ -16,8 +16,6 @@ import pytest
 
 from tests.conftest import REPO, env_with_venv
 
-pytestmark = pytest.mark.slow
-
 # prefix of a README command -> why this test does not run it, and what covers it instead
 NOT_RUN = {
     "make run": "this test's first step runs what it runs (`.venv/bin/dvc repro`) in a copy of the repo",
@@ -68,6 +66,7 @@ def _plain_shell_env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_every_readme_command_works_as_written_after_make_run(repo_copy: Path, tmp_path: Path) -> None:
     (repo_copy / ".venv").symlink_to(sys.prefix)  # what `make run` creates
     env = {**_plain_shell_env(), "HOME": str(tmp_path / "home")}  # a fresh ~/.prefect
@@ -79,3 +78,11 @@ def test_every_readme_command_works_as_written_after_make_run(repo_copy: Path, t
         if command.startswith((".venv/bin/dvc repro", ".venv/bin/dvc exp run")):  # DVC left nothing to do
             status = subprocess.run([".venv/bin/dvc", "status"], cwd=repo_copy, env=env, capture_output=True)
             assert b"Data and pipelines are up to date" in status.stdout, (command, status.stdout)
+
+
+def test_every_test_the_readme_names_exists() -> None:
+    """The fault matrix names the test that proves each row: a renamed test must not leave it stale."""
+    named = set(re.findall(r"(test_\w+\.py)::(test_\w+)", (REPO / "README.md").read_text()))
+    assert len(named) >= 20, named
+    missing = [f"{f}::{t}" for f, t in sorted(named) if f"def {t}(" not in (REPO / "tests" / f).read_text()]
+    assert not missing, f"README names tests that do not exist: {missing}"
