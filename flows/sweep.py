@@ -31,7 +31,7 @@ from pipeline import generate  # flows/ is on sys.path when a flow file runs
     cache_policy=NONE,
 )
 def experiment(cfg: Config, exp: sweep.Experiment, root: str, parent_run_id: str | None) -> dict[str, Any]:
-    return sweep.run_one(cfg, exp, stages.Paths(Path(root)), parent_run_id)
+    return sweep.run_experiment(cfg, exp, stages.Paths(Path(root)), parent_run_id)
 
 
 @flow(name="batchlab-sweep", log_prints=True)
@@ -43,19 +43,19 @@ def batch_size_sweep(
     with sweep_lock.exclusive(paths):  # the lock `batchlab sweep` takes: one sweep per folder, flow or CLI
         cfg = orchestration.resolve(params, overrides, root)
         generate.with_options(refresh_cache=orchestration.refresh_generate(cfg, root))(cfg, root)
-        plan = sweep.prepare(cfg, paths)
-        with sweep.parent_run(cfg, paths, plan) as parent:
+        study = sweep.prepare(cfg, paths)
+        with sweep.parent_run(cfg, paths, study) as parent:
             futures: list[tuple[str, PrefectFuture[dict[str, Any]]]] = []
-            for lane in sweep.lanes(plan.todo, cfg.sweep.parallel):
+            for lane in sweep.lanes(study.todo, cfg.sweep.parallel):
                 previous: list[PrefectFuture[dict[str, Any]]] = []
                 for exp in lane:  # one lane runs its experiments one after another
                     future = experiment.submit(cfg, exp, root, parent.run_id, wait_for=previous, return_state=False)
                     futures.append((exp.name, future))
                     previous = [future]
             results = {name: future.result() for name, future in futures}
-            summary = sweep.finish(paths, plan, results, parent)
+            summary = sweep.finish(paths, study, results, parent)
     create_markdown_artifact(
-        key="batchlab-sweep", markdown=f"**MLflow parent run:** `{plan.parent_run_id}`\n\n{summary['markdown']}"
+        key="batchlab-sweep", markdown=f"**MLflow parent run:** `{study.parent_run_id}`\n\n{summary['markdown']}"
     )
     return {k: v for k, v in summary.items() if k != "markdown"}
 

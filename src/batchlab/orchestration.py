@@ -7,16 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from batchlab import launch, stages, tracking
-from batchlab.config import Config, ConfigError, load_config
-from batchlab.data import DataError
+from batchlab.config import Config, load_config
 
 # worth another try: a tracking server that is restarting, a DDP launcher that lost a rank
 TRANSIENT = (tracking.TrackingUnavailable, launch.LaunchError, ConnectionError, TimeoutError)
-NEVER_RETRY = (ConfigError, DataError)
 
 
 def is_transient(error: BaseException) -> bool:
-    return isinstance(error, TRANSIENT) and not isinstance(error, NEVER_RETRY)
+    return isinstance(error, TRANSIENT)  # a ConfigError or DataError is none of these: never retried
 
 
 def retry_transient(task: Any, task_run: Any, state: Any) -> bool:

@@ -20,7 +20,7 @@ from batchlab import config as config_module
 from batchlab import export as onnx
 from batchlab.config import Config, dump_config
 from batchlab.model import load_model, save_model
-from batchlab.strategy import check_supported, describe, started
+from batchlab.strategy import check_supported, describe, session
 from batchlab.train import fingerprint, fit
 from batchlab.validate import batch_fits
 
@@ -93,7 +93,7 @@ def train_worker(
         torch.set_num_threads(cfg.train.threads)
     if dataset is None:  # a rank under torchrun reads it itself
         dataset = data.load(paths.data)
-    with started(cfg.train) as strategy:
+    with session(cfg.train) as strategy:
         if tracker is None:
             run_id = os.environ.get(launch.RUN_ID_ENV)
             tracker = tracking.attach(cfg.tracking, run_id) if run_id and strategy.is_main else tracking.Tracker()

@@ -1,8 +1,8 @@
 """Device, DDP, precision and gradient scaling, decided once.
 
 Every member is safe to call whatever the settings: `autocast()` is a null context in
-fp32, the scaler is disabled unless fp16, `wrap` is the identity on one process. No
-other module branches on strategy or precision.
+fp32, the scaler is disabled unless fp16, `setup` returns the model itself on one process.
+Outside this module only launch.py (how ranks start) branches on the strategy.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ class Strategy:
 
 
 @contextlib.contextmanager
-def started(cfg: TrainConfig) -> Iterator[Strategy]:
+def session(cfg: TrainConfig) -> Iterator[Strategy]:
     strategy = Strategy.from_config(cfg)
     try:
         yield strategy

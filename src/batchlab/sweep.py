@@ -77,7 +77,7 @@ def _epoch_to_95pct(history: list[dict[str, float]]) -> int:
     return next(int(h["epoch"]) for h in history if h["val_accuracy"] >= 0.95 * final)
 
 
-def run_experiment(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
+def _train_and_score(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
     """Train and test one experiment in its own folder; returns its result row."""
     started = time.perf_counter()
     out = paths.outputs / "sweep" / "experiments" / exp.name
@@ -125,14 +125,14 @@ def _isolated(
     cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None, threads: int
 ) -> dict[str, Any]:
     torch.set_num_threads(threads)  # this process's share of the cores (train.threads: 0 keeps it)
-    return run_experiment(cfg, exp, paths, parent_run_id)
+    return _train_and_score(cfg, exp, paths, parent_run_id)
 
 
-def run_one(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
+def run_experiment(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
     """One experiment: in this process, or in a fresh one with its share of the cores when
     sweep.parallel experiments run at once."""
     if cfg.sweep.parallel == 1:
-        return run_experiment(cfg, exp, paths, parent_run_id)
+        return _train_and_score(cfg, exp, paths, parent_run_id)
     threads = launch.threads_per_process(cfg.sweep.parallel)
     # spawn: torch and fork do not mix; a fresh process also gives an honest peak-memory figure
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
@@ -272,7 +272,7 @@ def run_sweep(cfg: Config, paths: stages.Paths) -> dict[str, Any]:
     with exclusive(paths):
         sweep = prepare(cfg, paths)
         with parent_run(cfg, paths, sweep) as parent, ThreadPoolExecutor(max_workers=cfg.sweep.parallel) as pool:
-            futures = {e.name: pool.submit(run_one, cfg, e, paths, parent.run_id) for e in sweep.todo}
+            futures = {e.name: pool.submit(run_experiment, cfg, e, paths, parent.run_id) for e in sweep.todo}
             results = {name: future.result() for name, future in futures.items()}
             summary = finish(paths, sweep, results, parent)
     return summary
