@@ -257,7 +257,8 @@ def finish(
     summary = report.write(ordered, folder)
     summary["sweep_wall_seconds"] = wall
     summary["sum_train_seconds"] = sum(r["train_seconds"] for r in ordered)
-    atomic.write_json(folder / "sweep.json", summary)
+    # DVC metrics: figures only (the table is summary.md)
+    atomic.write_json(folder / "sweep.json", {k: v for k, v in summary.items() if k != "markdown"})
     if sweep.up_to_date:
         return summary
     parent.log_metrics({k: float(v) for k, v in summary.items() if isinstance(v, int | float)})
