@@ -109,6 +109,10 @@ class Strategy:
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
+    def divergence_hint(self) -> str:
+        """What to change when the loss went non-finite with clean data."""
+        return "lower train.lr or use train.precision fp32/bf16" if self.precision == "fp16" else "lower train.lr"
+
     def autocast(self) -> contextlib.AbstractContextManager[object]:
         if self.precision == "fp32":
             return contextlib.nullcontext()

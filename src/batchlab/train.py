@@ -137,12 +137,12 @@ def _epoch_stats(
     )
 
 
-def _likely_cause(dataset: Dataset, precision: str) -> str:
+def _likely_cause(dataset: Dataset, strategy: Strategy) -> str:
     """Why training went non-finite: bad inputs if any, otherwise the optimisation."""
     bad = [name for name in ("train", "val") if not np.isfinite(getattr(dataset, name).x).all()]
     if bad:
         return f"the {'/'.join(bad)} inputs contain NaN/inf values: fix the data, then `batchlab generate`"
-    return "lower train.lr or use train.precision fp32/bf16" if precision == "fp16" else "lower train.lr"
+    return strategy.divergence_hint()
 
 
 def _progress(total: int, start: int, enabled: bool) -> Any:
@@ -215,7 +215,7 @@ def fit(
         if stats.worst_nonfinite_run >= tc.max_nonfinite_steps:
             raise NonFiniteError(
                 f"{stats.worst_nonfinite_run} consecutive steps had non-finite gradients by epoch {epoch + 1} "
-                f"(limit train.max_nonfinite_steps={tc.max_nonfinite_steps}); {_likely_cause(dataset, tc.precision)}"
+                f"(limit train.max_nonfinite_steps={tc.max_nonfinite_steps}); {_likely_cause(dataset, strategy)}"
             )
         val_logits = predict_logits(model, x_val, strategy)
         row: dict[str, float] = {
@@ -241,7 +241,7 @@ def fit(
         bar.close()
     if state.best_epoch < 0:  # the weights were never better than "no model": nothing to return
         raise NonFiniteError(
-            f"validation loss was never finite in {state.epoch} epochs; {_likely_cause(dataset, tc.precision)}"
+            f"validation loss was never finite in {state.epoch} epochs; {_likely_cause(dataset, strategy)}"
         )
     model.load_state_dict(trainee.best_weights)
     model.eval()
