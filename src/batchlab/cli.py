@@ -46,8 +46,9 @@ COMMANDS = {
     "sweep": (
         "train at every sweep.batch_sizes and write the trade-off report",
         "Reads params.yaml's model, train and sweep sections and data/prepared/. Writes sweep/ (one folder "
-        "per experiment, kept across runs so an interrupted sweep resumes) and reports/sweep/, with one "
-        "MLflow parent run and a child run per experiment.",
+        "per experiment, kept across runs so an interrupted sweep resumes) and reports/sweep/: "
+        "reports/sweep/summary.md (the table), reports/sweep/sweep.json (the headline figures), CSVs and "
+        "plots; one MLflow parent run and a child run per experiment.",
     ),
     "ui-url": (
         "print the MLflow UI address that opens tracking.experiment's runs table (`make ui` prints it)",
