@@ -107,6 +107,9 @@ def test_system_metrics_are_sampled_when_enabled(workdir: Path) -> None:
             return all(any(k.startswith(f"system/{m}") for k in keys) for m in ("cpu_utilization", "system_memory"))
 
         wait_until(sampled, "system metrics in the run", interval=0.5)
+    keys = client.get_run(run_id).data.metrics  # and still there once the run has ended
+    assert any(k.startswith("system/cpu_utilization") for k in keys), sorted(keys)
+    assert any(k.startswith("system/system_memory_usage") for k in keys), sorted(keys)
 
 
 @pytest.mark.slow
@@ -350,20 +353,28 @@ def test_sigkilled_train_is_reaped_and_its_resumed_training_continues_the_same_r
 SLOW_EPOCHS = {"samples": 10000}  # ~0.4 s epochs here: the server dies and returns while training runs
 
 
+def _train_then_kill_the_server(
+    repo: Path, server: MlflowServer, epochs: int, final_wait_s: int
+) -> tuple[subprocess.Popen[str], Path]:
+    """`batchlab train` logging to `server`, which dies once epoch 2 is checkpointed."""
+    set_params(repo, "tracking", enabled=True)
+    set_params(repo, "data", **SLOW_EPOCHS)
+    set_params(repo, "train", epochs=epochs, batch_size=16)
+    run(["batchlab", "generate"], repo)
+    checkpoint = repo / ".batchlab/checkpoints/train.pt"
+    env = env_with_venv(MLFLOW_TRACKING_URI=server.uri, BATCHLAB_TRACKING_WAIT_S=str(final_wait_s))
+    proc = subprocess.Popen(["batchlab", "train"], cwd=repo, env=env, stderr=subprocess.PIPE, text=True)
+    _wait_for_epoch(proc, checkpoint, 2)
+    server.kill()
+    return proc, checkpoint
+
+
 @pytest.mark.slow
 def test_training_outlives_a_tracking_server_restart_and_records_every_epoch(
     repo_copy: Path, server: MlflowServer
 ) -> None:
-    set_params(repo_copy, "tracking", enabled=True)
-    set_params(repo_copy, "data", **SLOW_EPOCHS)
-    set_params(repo_copy, "train", epochs=120, batch_size=16)
-    run(["batchlab", "generate"], repo_copy)
-    checkpoint = repo_copy / ".batchlab/checkpoints/train.pt"
     # the end of the run waits up to 180 s for the server: it may take that long to start on a busy machine
-    env = env_with_venv(MLFLOW_TRACKING_URI=server.uri, BATCHLAB_TRACKING_WAIT_S="180")
-    proc = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env, stderr=subprocess.PIPE, text=True)
-    _wait_for_epoch(proc, checkpoint, 2)
-    server.kill()
+    proc, checkpoint = _train_then_kill_the_server(repo_copy, server, epochs=120, final_wait_s=180)
     down_at = _checkpoint_epoch(checkpoint)
     # no epoch waits for the dead server: before, each write sat in MLflow's retries for ~4 min
     _wait_for_epoch(proc, checkpoint, down_at + 5, timeout=150)
@@ -385,15 +396,7 @@ def test_training_outlives_a_tracking_server_restart_and_records_every_epoch(
 def test_a_tracking_server_that_stays_down_costs_no_model_and_its_metrics_are_sent_later(
     repo_copy: Path, server: MlflowServer
 ) -> None:
-    set_params(repo_copy, "tracking", enabled=True)
-    set_params(repo_copy, "data", **SLOW_EPOCHS)
-    set_params(repo_copy, "train", epochs=12, batch_size=16)
-    run(["batchlab", "generate"], repo_copy)
-    checkpoint = repo_copy / ".batchlab/checkpoints/train.pt"
-    env = env_with_venv(MLFLOW_TRACKING_URI=server.uri, BATCHLAB_TRACKING_WAIT_S="5")
-    proc = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env, stderr=subprocess.PIPE, text=True)
-    _wait_for_epoch(proc, checkpoint, 2)
-    server.kill()
+    proc, _ = _train_then_kill_the_server(repo_copy, server, epochs=12, final_wait_s=5)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     assert (repo_copy / "models/model.pt").is_file()
