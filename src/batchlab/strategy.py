@@ -22,7 +22,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import get_total_norm
 
-from batchlab import loopback
 from batchlab.config import ConfigError, TrainConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -88,6 +87,8 @@ class Strategy:
                 torch.cuda.set_device(local_rank)
                 device = torch.device("cuda", local_rank)
             if not dist.is_initialized():
+                from batchlab import loopback  # torchrun's modules: ~50 ms, paid by ranks only
+
                 timeout = dt.timedelta(seconds=cfg.dist_timeout_s)
                 store = None  # torch's env:// rendezvous: a store on every interface, other machines reach it
                 if loopback.requested():  # one machine: a store on 127.0.0.1 only
