@@ -78,6 +78,10 @@ class TrainConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="autocast dtype; fp16 adds a grad scaler")
     grad_accum_steps: PositiveInt = Field(1, description="micro-batches per optimizer step")
+    gns: bool = Field(True, description="measure the gradient noise scale B_simple while training (gns.* metrics)")
+    eval_every_steps: Annotated[int, Field(ge=0)] = Field(
+        0, description="also score the val split every this many optimizer steps (0 = once per epoch only)"
+    )
     max_nonfinite_steps: PositiveInt = Field(
         20, description="stop after this many consecutive steps with non-finite gradients"
     )
@@ -126,8 +130,18 @@ class SweepConfig(Section):
         "sqrt", description="scale train.lr by batch_size / train.batch_size with this rule"
     )
     epochs: PositiveInt | None = Field(None, description="epochs per experiment (default: train.epochs)")
-    seeds: list[int] = Field([0], description="one experiment per batch size and seed")
+    seeds: list[int] = Field([0, 1, 2], description="one experiment per batch size and seed (3+ for a CI)")
     parallel: PositiveInt = Field(1, description="experiments at once, each in its own process")
+    lr_multipliers: list[float] = Field(
+        [1.0], description="each batch size also runs at these multiples of its scaled lr; the best val loss wins"
+    )
+    evals_per_epoch: PositiveInt = Field(10, description="val-split scores per epoch, for the step that reaches the target")
+    target_val_loss: Annotated[float, Field(gt=0)] | None = Field(
+        None, description="val loss that defines 'reached' (null = the lowest every experiment reaches, +2%)"
+    )
+    memory_budget_mb: Annotated[float, Field(gt=0)] | None = Field(
+        None, description="MiB of tensor memory per step: report the largest batch predicted to fit"
+    )
 
     @field_validator("batch_sizes")
     @classmethod
@@ -136,6 +150,13 @@ class SweepConfig(Section):
             raise ValueError("sweep.batch_sizes must list at least one batch size")
         if len(set(v)) != len(v):
             raise ValueError(f"sweep.batch_sizes has duplicates: {v}")
+        return v
+
+    @field_validator("lr_multipliers")
+    @classmethod
+    def _lr_multipliers(cls, v: list[float]) -> list[float]:
+        if not v or any(m <= 0 for m in v) or len(set(v)) != len(v):
+            raise ValueError(f"sweep.lr_multipliers must be a non-empty list of distinct positive numbers, got {v}")
         return v
 
     @field_validator("seeds")
