@@ -1,0 +1,121 @@
+"""Tensor memory of one training step, and the largest batch a memory budget allows.
+
+Process RSS (what `Strategy.peak_memory_mb` reports on CPU) is mostly the torch runtime and barely
+moves with the batch; these figures count only the step's own tensors.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from batchlab.config import Config
+from batchlab.strategy import Strategy
+from batchlab.train import initial_model, make_optimizer
+
+MIB = 2**20
+_MEASURED = "batchlab.memory.measured_step"
+
+
+def step_memory_mib(cfg: Config, n_features: int, n_classes: int, batch_size: int, device: torch.device) -> float:
+    """Peak tensor memory of one training step of `batch_size` rows, in MiB: parameters, gradients,
+    optimizer state, the batch and the activations (not the dataset, not the runtime's own memory).
+
+    The step is train.py's (cross-entropy, train.precision, train.grad_accum_steps) in one process:
+    under DDP a rank holds batch_size / world_size rows, so pass that. A warm-up step creates the
+    optimizer state, the second step is measured. Inputs are seeded random rows of the right shape.
+    """
+    if device.type == "cuda":
+        return _cuda_peak_bytes(cfg, n_features, n_classes, batch_size, device) / MIB
+    return _cpu_peak_bytes(cfg, n_features, n_classes, batch_size) / MIB
+
+
+def _trainer(cfg: Config, n_features: int, n_classes: int, batch_size: int, device: torch.device) -> Callable[[], None]:
+    """The model, optimizer and a batch on `device`, and a function that runs one training step."""
+    strategy = Strategy(device, cfg.train.precision, grad_accum_steps=cfg.train.grad_accum_steps)
+    model = initial_model(cfg, n_features, n_classes).to(device)
+    optimizer = make_optimizer(cfg.train, model.parameters())
+    net = strategy.setup(model)
+    net.train()
+    gen = torch.Generator().manual_seed(cfg.train.seed)
+    x = torch.randn(batch_size, n_features, generator=gen).to(device)
+    y = torch.randint(n_classes, (batch_size,), generator=gen).to(device)
+    rows = torch.arange(batch_size, device=device)
+
+    def step() -> None:  # the body of train.fit's step loop
+        for part in strategy.micro_batches(net, rows):
+            with strategy.autocast():
+                loss = F.cross_entropy(net(x[part]), y[part])
+            strategy.backward(loss)
+        strategy.step(optimizer)
+
+    return step
+
+
+def _cpu_peak_bytes(cfg: Config, n_features: int, n_classes: int, batch_size: int) -> int:
+    """Peak of the live bytes allocated since profiling began, during the measured step.
+
+    Each "[memory]" event carries the signed bytes of one allocation or free; their running sum is
+    the live total. Everything (model, optimizer, batch) is built inside the profiler, so nothing of
+    the step was allocated before it. Not the trace's "Total Allocated": a process-wide counter that
+    keeps the bytes of earlier profiling sessions that were freed while no profiler was running.
+    """
+    gc.collect()  # a leftover from an earlier session freed mid-profile would subtract bytes never added
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step = _trainer(cfg, n_features, n_classes, batch_size, torch.device("cpu"))
+        step()
+        with record_function(_MEASURED):
+            step()
+    # the raw events: prof.events() folds each allocation into the op that made it, losing the order
+    assert prof.profiler is not None and prof.profiler.kineto_results is not None
+    events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+    window = next(e for e in events if e.name() == _MEASURED)
+    live = peak = 0
+    for event in events:
+        if event.name() != "[memory]":
+            continue
+        live += event.nbytes()
+        if window.start_ns() <= event.start_ns() <= window.end_ns():
+            peak = max(peak, live)
+    return peak
+
+
+def _cuda_peak_bytes(cfg: Config, n_features: int, n_classes: int, batch_size: int, device: torch.device) -> int:
+    before = torch.cuda.memory_allocated(device)  # other tensors of this process: not the step's
+    step = _trainer(cfg, n_features, n_classes, batch_size, device)
+    step()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def largest_batch_within(budget_mib: float, points: list[tuple[int, float]]) -> int | None:
+    """The largest batch whose memory on the least-squares line memory = a + b·batch through the
+    measured (batch, MiB) `points` is at most `budget_mib`; None if even batch 1 is over budget.
+
+    This extrapolates: beyond the largest measured batch it trusts the line. An MLP's step memory is
+    linear in the batch, but allocator rounding and kernel workspaces can bend it on a device, so
+    measure near the answer before relying on it.
+    """
+    batches = [float(b) for b, _ in points]
+    if len(set(batches)) < 2:
+        raise ValueError(f"fitting memory against batch size needs at least 2 distinct batch sizes, got {points}")
+    mibs = [m for _, m in points]
+    mean_b, mean_m = sum(batches) / len(batches), sum(mibs) / len(mibs)
+    slope = sum((b - mean_b) * (m - mean_m) for b, m in zip(batches, mibs, strict=True)) / sum(
+        (b - mean_b) ** 2 for b in batches
+    )
+    intercept = mean_m - slope * mean_b
+    if slope <= 0:
+        raise ValueError(f"memory does not grow with batch size in {points}: no largest batch to predict")
+    exact = (budget_mib - intercept) / slope
+    # a batch the line puts at the budget, up to float rounding, fits
+    largest = round(exact) if math.isclose(exact, round(exact), rel_tol=1e-9, abs_tol=1e-9) else math.floor(exact)
+    return largest if largest >= 1 else None
