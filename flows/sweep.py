@@ -24,7 +24,7 @@ from pipeline import generate  # flows/ is on sys.path when a flow file runs
 
 @task(
     name="experiment",
-    task_run_name="bs{exp.batch_size}-seed{exp.seed}",
+    task_run_name="{exp.name}",
     retries=2,
     retry_delay_seconds=exponential_backoff(backoff_factor=2),
     retry_condition_fn=orchestration.retry_transient,
@@ -53,7 +53,7 @@ def batch_size_sweep(
                     futures.append((exp.name, future))
                     previous = [future]
             results = {name: future.result() for name, future in futures}
-            summary = sweep.finish(paths, study, results, parent)
+            summary = sweep.finish(cfg, paths, study, results, parent)
     create_markdown_artifact(
         key="batchlab-sweep", markdown=f"**MLflow parent run:** `{study.parent_run_id}`\n\n{summary['markdown']}"
     )

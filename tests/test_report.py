@@ -1,37 +1,87 @@
-"""The sweep's table: one row per batch size, mean and spread across seeds, a recommendation."""
+"""The study's analysis and report, from synthetic experiment results (no training)."""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from batchlab import report
+from batchlab import critical, report, study
 
 
-def _result(batch: int, seed: int, f1: float, speed: float) -> dict[str, float]:
-    figures = dict.fromkeys(report.FIGURES, 1.0)
-    return {**figures, "batch_size": batch, "seed": seed, "lr": 0.003, "test_f1_macro": f1, "samples_per_s": speed}
+def _result(batch: int, seed: int, mult: float = 1.0, f1: float = 0.95, floor: float = 0.1) -> dict[str, Any]:
+    """An experiment whose val loss falls as 1/steps toward `floor`, reaching 0.2 at S = 40 (1 + 250/B)."""
+    reach_at = 40 * (1 + 250 / batch) * (1 + 0.02 * seed)
+    steps = list(range(1, int(reach_at * 3)))
+    return {
+        "name": f"bs{batch}-seed{seed}", "batch_size": batch, "seed": seed, "lr": 0.003 * mult, "lr_multiplier": mult,
+        "test_f1_macro": f1 + 0.001 * seed, "test_accuracy": f1, "samples_per_s": 1000.0 * batch**0.5,
+        "epoch_seconds": 1.0, "train_seconds": 10.0, "step_memory_mib": 0.1 + 0.002 * batch, "peak_rss_mib": 600.0,
+        "grad_norm_mean": 1.0, "overhead_seconds": 0.1, "curve_steps": steps,
+        "curve_val_loss": [floor + 0.1 * reach_at / s for s in steps], "curve_b_simple": [200.0 for _ in steps],
+    }  # fmt: skip
 
 
-def test_seeds_of_a_batch_size_aggregate_to_mean_and_sample_std() -> None:
-    rows = report.aggregate([_result(64, 0, 0.90, 100), _result(32, 0, 0.95, 50), _result(64, 1, 0.94, 300)])
-    assert [r["batch_size"] for r in rows] == [32, 64]  # sorted by batch size
-    bs64 = rows[1]
-    assert bs64["seeds"] == 2 and bs64["test_f1_macro_mean"] == pytest.approx(0.92)
-    assert bs64["test_f1_macro_std"] == pytest.approx(0.0282843, rel=1e-5)  # sample std, n - 1
-    assert rows[0]["test_f1_macro_std"] == 0.0  # one seed: no spread
+def test_study_finds_steps_to_target_fits_b_crit_and_reads_b_simple_at_the_target() -> None:
+    results = [_result(b, seed) for b in (16, 32, 64, 128, 256, 512) for seed in (0, 1, 2)]
+    found = study.analyse(results, n_test=600, target_val_loss=0.2, memory_budget_mb=1.0)
+    assert isinstance(found.fit, critical.Fit)
+    assert found.fit.b_crit == pytest.approx(250, rel=0.05) and found.fit.r2 > 0.99
+    assert found.fit.b_crit_low <= found.fit.b_crit <= found.fit.b_crit_high
+    first = next(r for r in found.results if r["name"] == "bs64-seed0")
+    assert first["steps_to_target"] == math.ceil(40 * (1 + 250 / 64))
+    assert first["examples_to_target"] == first["steps_to_target"] * 64
+    assert found.b_simple == 200.0
+    figures = found.figures()
+    assert figures["b_crit_over_b_simple"] == pytest.approx(found.fit.b_crit / 200)
+    assert figures["largest_batch_within_budget"] == 450  # 0.1 + 0.002 B <= 1.0
+    assert figures["test_rows"] == 600 and figures["seeds"] == 3
 
 
-def test_csv_round_trips_every_column(tmp_path: Path) -> None:
-    rows = report.aggregate([_result(16, 0, 0.9, 10.0), _result(32, 0, 0.8, 20.0)])
-    (tmp_path / "t.csv").write_text(report.to_csv(rows))
-    back = report.read_csv(tmp_path / "t.csv")
-    assert list(back[0]) == list(rows[0]) and float(back[1]["test_f1_macro_mean"]) == pytest.approx(0.8)
+def test_auto_target_is_reached_by_every_experiment() -> None:
+    results = [_result(b, 0, floor=0.1 + b / 10_000) for b in (16, 64, 256)]
+    found = study.analyse(results, n_test=600, target_val_loss=None, memory_budget_mb=None)
+    worst_best = max(min(r["curve_val_loss"]) for r in results)  # batch 256 bottoms out highest
+    assert worst_best == min(results[-1]["curve_val_loss"]) and found.target == pytest.approx(worst_best * 1.02)
+    assert all(r["steps_to_target"] is not None for r in found.results)
+    assert "lowest val losses" in found.target_rule
 
 
-def test_markdown_shows_spread_only_with_several_seeds() -> None:
-    one = report.aggregate([_result(16, 0, 0.9, 10.0)])
-    two = report.aggregate([_result(16, 0, 0.9, 10.0), _result(16, 1, 0.92, 12.0)])
-    pick = report.recommend(one)
-    assert "±" not in report.to_markdown(one, pick) and "0.9100 ± 0.0141" in report.to_markdown(two, pick)
+def test_a_target_nobody_reaches_is_reported_per_batch_size_without_a_fit(tmp_path: Path) -> None:
+    results = [_result(b, s) for b in (16, 64) for s in (0, 1, 2)]
+    found = study.analyse(results, n_test=600, target_val_loss=0.01, memory_budget_mb=None)
+    assert isinstance(found.fit, critical.NoFit) and "only 0 batch size(s)" in found.fit.reason
+    text = report.write(found, tmp_path, _context())
+    assert "(0/3 reached)" in text and "No critical batch size" in text and "never reached it: 16, 64" in text
+
+
+def test_lr_multiplier_with_the_lowest_val_loss_wins_per_batch_size(tmp_path: Path) -> None:
+    results = [_result(64, s, mult=0.5, floor=0.12) for s in (0, 1)] + [_result(64, s, floor=0.1) for s in (0, 1)]
+    results += [_result(256, s, mult=0.5, floor=0.1) for s in (0, 1)] + [_result(256, s, floor=0.13) for s in (0, 1)]
+    found = study.analyse(results, n_test=600, target_val_loss=0.2, memory_budget_mb=None)
+    assert found.lr_choice == {64: 1.0, 256: 0.5}
+    assert {(r["batch_size"], r["lr_multiplier"]) for r in found.results} == {(64, 1.0), (256, 0.5)}
+    assert "batch 64: ×1, batch 256: ×0.5" in report.write(found, tmp_path, _context())
+
+
+def _context() -> dict[str, Any]:
+    return {"lr_scaling": "sqrt", "base_batch": 64, "optimizer": "adamw", "epochs": 20, "memory_budget_mb": None}
+
+
+def test_report_files_state_cis_units_and_the_assumptions(tmp_path: Path) -> None:
+    results = [_result(b, seed) for b in (16, 64, 256) for seed in (0, 1, 2)]
+    found = study.analyse(results, n_test=600, target_val_loss=0.2, memory_budget_mb=None)
+    text = report.write(found, tmp_path, _context())
+    for name in ("summary.csv", "summary.md", "steps_vs_examples.csv", "curves.csv", "f1_vs_batch.png",
+                 "throughput_vs_batch.png", "memory_vs_batch.png", "steps_vs_examples.png", "val_loss_curves.png"):
+        assert (tmp_path / name).stat().st_size > 0, name  # fmt: skip
+    assert "step memory (MiB)" in text and "peak RSS (MiB)" in text and " ± " in text
+    assert "sqrt rule" in text and "adamw" in text and "3 seed(s)" in text and "B_crit" in text
+    table = report.read_csv(tmp_path / "summary.csv")
+    assert [int(r["batch_size"]) for r in table] == [16, 64, 256] and "step_memory_mib_mean" in table[0]
+    points = report.read_csv(tmp_path / "steps_vs_examples.csv")
+    assert len(points) == 9 and int(points[0]["examples"]) == int(points[0]["steps"]) * int(points[0]["batch_size"])
+    json.dumps(found.figures())  # plain numbers: sweep.json and MLflow metrics

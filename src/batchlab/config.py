@@ -135,7 +135,9 @@ class SweepConfig(Section):
     lr_multipliers: list[float] = Field(
         [1.0], description="each batch size also runs at these multiples of its scaled lr; the best val loss wins"
     )
-    evals_per_epoch: PositiveInt = Field(10, description="val-split scores per epoch, for the step that reaches the target")
+    evals_per_epoch: PositiveInt = Field(
+        10, description="val-split scores per epoch, to find the step that reaches the target"
+    )
     target_val_loss: Annotated[float, Field(gt=0)] | None = Field(
         None, description="val loss that defines 'reached' (null = the lowest every experiment reaches, +2%)"
     )

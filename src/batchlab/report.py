@@ -1,57 +1,20 @@
-"""The batch-size trade-off report: a table (CSV and Markdown), a recommendation and plots."""
+"""The batch-size study's report: tables (CSV, Markdown), the verdict and the plots, from a Study."""
 
 from __future__ import annotations
 
 import csv
 import io
-import statistics
-from collections import defaultdict
+import math
 from pathlib import Path
 from typing import Any
 
-from batchlab import atomic
-
-# what each experiment records, in the order the table shows it
-FIGURES = (
-    "test_f1_macro",
-    "test_accuracy",
-    "samples_per_s",
-    "epoch_seconds",
-    "peak_memory_mb",
-    "grad_norm_mean",
-    "grad_norm_var",
-    "epoch_to_95pct_val_accuracy",
-    "overhead_seconds",
-)
-F1_TOLERANCE = 0.01  # "within 1 point of the best F1"
+from batchlab import atomic, critical
+from batchlab.study import Study
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
     with path.open(newline="") as f:
         return list(csv.DictReader(f))
-
-
-def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per batch size: mean and std across seeds of every recorded figure."""
-    by_batch: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for r in results:
-        by_batch[r["batch_size"]].append(r)
-    rows = []
-    for batch, runs in sorted(by_batch.items()):
-        row: dict[str, Any] = {"batch_size": batch, "lr": runs[0]["lr"], "seeds": len(runs)}
-        for key in FIGURES:
-            values = [float(r[key]) for r in runs]
-            row[f"{key}_mean"] = statistics.fmean(values)
-            row[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
-        rows.append(row)
-    return rows
-
-
-def recommend(rows: list[dict[str, Any]]) -> dict[str, int]:
-    best = max(rows, key=lambda r: r["test_f1_macro_mean"])
-    close = [r for r in rows if r["test_f1_macro_mean"] >= best["test_f1_macro_mean"] - F1_TOLERANCE]
-    fastest = max(close, key=lambda r: r["samples_per_s_mean"])
-    return {"best_f1_batch_size": best["batch_size"], "fastest_within_1pt_batch_size": fastest["batch_size"]}
 
 
 def to_csv(rows: list[dict[str, Any]]) -> str:
@@ -63,77 +26,141 @@ def to_csv(rows: list[dict[str, Any]]) -> str:
 
 
 def _cell(row: dict[str, Any], key: str, digits: int) -> str:
-    mean, std = row[f"{key}_mean"], row[f"{key}_std"]
-    return f"{mean:.{digits}f} ± {std:.{digits}f}" if row["seeds"] > 1 else f"{mean:.{digits}f}"
+    mean, half = row[f"{key}_mean"], row[f"{key}_ci95"]
+    if not math.isfinite(mean):
+        return "—"
+    return f"{mean:.{digits}f} ± {half:.{digits}f}" if math.isfinite(half) else f"{mean:.{digits}f}"
 
 
-def to_markdown(rows: list[dict[str, Any]], pick: dict[str, int]) -> str:
-    header = (
-        "| batch | lr | test F1 (macro) | test acc | samples/s | s/epoch | peak MB | grad-norm mean | "
-        "grad-norm var | epoch to 95% val acc |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+COLUMNS = (  # header, figure, digits
+    ("test F1 (macro)", "test_f1_macro", 4),
+    ("test acc", "test_accuracy", 4),
+    ("steps to target", "steps_to_target", 0),
+    ("examples to target", "examples_to_target", 0),
+    ("s to target", "seconds_to_target", 2),
+    ("samples/s", "samples_per_s", 0),
+    ("step memory (MiB)", "step_memory_mib", 3),
+    ("B_simple at target", "gns_b_simple_at_target", 0),
+    ("peak RSS (MiB)", "peak_rss_mib", 0),
+)
+
+
+def table(study: Study) -> str:
+    header = "| batch | lr | " + " | ".join(h for h, _, _ in COLUMNS) + " |\n"
+    header += "|---:" * (len(COLUMNS) + 2) + "|\n"
+    lines = []
+    for r in study.rows:
+        reached = "" if r["reached"] == r["seeds"] else f" ({r['reached']}/{r['seeds']} reached)"
+        cells = [_cell(r, key, digits) for _, key, digits in COLUMNS]
+        cells[2] += reached
+        lines.append(f"| {r['batch_size']} | {r['lr']:.4g} | " + " | ".join(cells) + " |")
+    return header + "\n".join(lines) + "\n"
+
+
+def critical_text(study: Study, lr_scaling: str, base_batch: int, optimizer: str, epochs: int) -> str:
+    fit = study.fit
+    lines = [f"Target: val loss ≤ {study.target:.4f}: {study.target_rule}."]
+    missed = [str(r["batch_size"]) for r in study.rows if r["reached"] < r["seeds"]]
+    if missed:
+        lines.append(f"Batch sizes with seeds that never reached it: {', '.join(missed)}.")
+    if isinstance(fit, critical.NoFit):
+        lines.append(f"No critical batch size: {fit.reason}.")
+    else:
+        interval = (
+            f" (95% CI {fit.b_crit_low:.0f}–{fit.b_crit_high:.0f}, bootstrap over seeds)"
+            if math.isfinite(fit.b_crit_low)
+            else " (one seed: no interval)"
+        )
+        lines.append(
+            f"Critical batch size B_crit = {fit.b_crit:.0f}{interval}; S_min = {fit.s_min:.0f} steps, "
+            f"E_min = {fit.e_min:.0f} examples; R² = {fit.r2:.3f} over {fit.batch_sizes} batch sizes "
+            "(the line 1/S = 1/S_min − B_crit/E through each batch size's mean steps). "
+            f"Below about {fit.b_crit:.0f}, doubling the batch nearly halves the steps to the target "
+            "(perfect scaling); above it the steps level off toward S_min while the examples, i.e. the "
+            "compute, grow (diminishing returns)."
+        )
+    if math.isfinite(study.b_simple):
+        ratio = f"; B_crit / B_simple = {fit.b_crit / study.b_simple:.2f}" if isinstance(fit, critical.Fit) else ""
+        lines.append(
+            f"Gradient noise scale at the target: B_simple = {study.b_simple:.0f} (median over experiments){ratio}. "
+            "McCandlish et al. find B_crit ≈ B_simple to within an order of magnitude."
+        )
+    lines.append(
+        f"What biases it: the lr is scaled by the {lr_scaling} rule from train.lr at batch {base_batch} "
+        "(a rule that under-scales large batches inflates their steps); the optimizer is "
+        f"{optimizer} (Adam's critical batch runs larger than SGD's); {study.rows[0]['seeds']} seed(s) per "
+        f"batch size; every experiment has the same {epochs} epochs, so a schedule that decays with the "
+        "epochs gives large batches few steps at a high lr."
     )
-    lines = [
-        f"| {r['batch_size']} | {r['lr']:.4g} | {_cell(r, 'test_f1_macro', 4)} | {_cell(r, 'test_accuracy', 4)} | "
-        f"{_cell(r, 'samples_per_s', 0)} | {_cell(r, 'epoch_seconds', 3)} | {_cell(r, 'peak_memory_mb', 0)} | "
-        f"{_cell(r, 'grad_norm_mean', 3)} | {_cell(r, 'grad_norm_var', 4)} | "
-        f"{_cell(r, 'epoch_to_95pct_val_accuracy', 1)} |"
-        for r in rows
+    return " ".join(lines)
+
+
+def lr_text(study: Study) -> str:
+    if len(set(study.lr_choice.values())) == 1 and next(iter(study.lr_choice.values())) == 1.0:
+        return ""
+    picks = ", ".join(f"batch {b}: ×{m:g}" for b, m in sorted(study.lr_choice.items()))
+    return f"Learning rate kept per batch size (lowest val loss among sweep.lr_multipliers): {picks}."
+
+
+def budget_text(study: Study, budget_mb: float | None) -> str:
+    if budget_mb is None:
+        return ""
+    if study.budget_batch is None:
+        return f"Memory budget {budget_mb:g} MiB: no batch is predicted to fit a training step in it."
+    return (
+        f"Memory budget {budget_mb:g} MiB: the largest batch predicted to fit one training step is "
+        f"{study.budget_batch} (a line through the measured step memory, extrapolated)."
+    )
+
+
+def markdown(study: Study, context: dict[str, Any]) -> str:
+    parts = [
+        "# Batch-size study\n",
+        table(study),
+        "## Verdict\n",
+        study.verdict.text + "\n",
+        "## Critical batch size\n",
+        critical_text(study, context["lr_scaling"], context["base_batch"], context["optimizer"], context["epochs"])
+        + "\n",
     ]
-    verdict = (
-        f"\nBest F1: batch {pick['best_f1_batch_size']}. Fastest within 1 point of that F1: "
-        f"batch {pick['fastest_within_1pt_batch_size']}.\n"
+    extra = " ".join(t for t in (lr_text(study), budget_text(study, context["memory_budget_mb"])) if t)
+    if extra:
+        parts.append(extra + "\n")
+    parts.append(
+        "Every figure is a mean ± the half-width of its 95% confidence interval over seeds. Step memory is the "
+        "tensor peak of one training step (parameters, gradients, optimizer state, activations); peak RSS is the "
+        "whole process, set mostly by the torch runtime.\n"
     )
-    return header + "\n".join(lines) + "\n" + verdict
+    return "\n".join(parts)
 
 
-def plot(rows: list[dict[str, Any]], results: list[dict[str, Any]], folder: Path) -> None:
-    import matplotlib
+def write(study: Study, folder: Path, context: dict[str, Any]) -> str:
+    """Write summary.csv, summary.md, steps_vs_examples.csv, curves.csv and the PNGs; return the Markdown."""
+    from batchlab import plots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    batches = [r["batch_size"] for r in rows]
-    for key, label, name in (
-        ("test_f1_macro", "test F1 (macro)", "f1_vs_batch.png"),
-        ("samples_per_s", "samples / s", "throughput_vs_batch.png"),
-        ("peak_memory_mb", "peak memory (MB)", "memory_vs_batch.png"),
-    ):
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        means = [r[f"{key}_mean"] for r in rows]
-        ax.errorbar(batches, means, yerr=[r[f"{key}_std"] for r in rows], marker="o", capsize=3)
-        ax.set(xscale="log", xlabel="batch size", ylabel=label, title=f"{label} vs batch size")
-        ax.set_xticks(batches, [str(b) for b in batches])
-        fig.tight_layout()
-        _save(fig, folder / name)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in results:
-        curve = r["val_loss_curve"]
-        ax.plot(range(1, len(curve) + 1), curve, label=r["name"])
-    ax.set(xlabel="epoch", ylabel="val loss", title="Validation loss by batch size")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    _save(fig, folder / "val_loss_curves.png")
-
-
-def _save(fig: Any, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    atomic.write_with(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
-    plt.close(fig)
-
-
-def write(results: list[dict[str, Any]], folder: Path) -> dict[str, Any]:
-    """Write summary.csv, summary.md, curves.csv and the PNGs into `folder`; return the summary."""
-    rows = aggregate(results)
-    pick = recommend(rows)
-    markdown = to_markdown(rows, pick)
-    atomic.write_text(folder / "summary.csv", to_csv(rows))
-    atomic.write_text(folder / "summary.md", "# Batch-size sweep\n\n" + markdown)
+    text = markdown(study, context)
+    atomic.write_text(folder / "summary.csv", to_csv(study.rows))
+    atomic.write_text(folder / "summary.md", text)
+    points = [
+        {
+            "name": r["name"],
+            "batch_size": r["batch_size"],
+            "seed": r["seed"],
+            "steps": r["steps_to_target"],
+            "examples": r["examples_to_target"],
+        }
+        for r in study.results
+        if r["steps_to_target"] is not None
+    ]
+    # header only when nothing reached the target: dvc.yaml declares the file either way
+    atomic.write_text(
+        folder / "steps_vs_examples.csv", to_csv(points) if points else "name,batch_size,seed,steps,examples\n"
+    )
     curves = [
-        {"name": r["name"], "batch_size": r["batch_size"], "epoch": i + 1, "val_loss": v}
-        for r in results
-        for i, v in enumerate(r["val_loss_curve"])
+        {"name": r["name"], "batch_size": r["batch_size"], "step": s, "examples": s * r["batch_size"], "val_loss": v}
+        for r in study.results
+        for s, v in zip(r["curve_steps"], r["curve_val_loss"], strict=True)
     ]
     atomic.write_text(folder / "curves.csv", to_csv(curves))
-    plot(rows, results, folder)
-    return {**pick, "markdown": markdown, "rows": len(rows)}
+    plots.draw(study, folder)
+    return text

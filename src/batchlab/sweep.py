@@ -8,6 +8,7 @@ reruns as a no-op. One sweep at a time per folder: a second one is refused (Swee
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -23,9 +24,11 @@ from typing import Any
 
 import torch
 
-from batchlab import atomic, data, evaluate, launch, report, stages, tracking
+from batchlab import atomic, data, evaluate, launch, memory, report, stages, study, tracking
 from batchlab.config import Config, parse_config
+from batchlab.strategy import resolve_device
 from batchlab.sweep_lock import exclusive
+from batchlab.train import steps_per_epoch
 from batchlab.validate import batches_fit
 
 log = logging.getLogger(__name__)
@@ -37,10 +40,13 @@ class Experiment:
     seed: int
     lr: float
     epochs: int
+    lr_multiplier: float = 1.0
+    eval_every_steps: int = 0  # score the val split this often: the step that reaches the target
 
     @property
     def name(self) -> str:
-        return f"bs{self.batch_size}-seed{self.seed}"
+        lr = "" if self.lr_multiplier == 1.0 else f"-lrx{self.lr_multiplier:g}"
+        return f"bs{self.batch_size}{lr}-seed{self.seed}"
 
 
 def scaled_lr(base_lr: float, base_batch: int, batch: int, rule: str) -> float:
@@ -50,13 +56,22 @@ def scaled_lr(base_lr: float, base_batch: int, batch: int, rule: str) -> float:
 
 
 def plan(cfg: Config, n_train: int) -> list[Experiment]:
-    """Every (batch size, seed) pair; rejects a batch the train split cannot fill before anything runs."""
+    """Every (batch size, lr multiplier, seed); rejects a batch the train split cannot fill before anything runs."""
     batches_fit(cfg, n_train)
-    epochs = cfg.sweep.epochs or cfg.train.epochs
+    sc = cfg.sweep
+    epochs = sc.epochs or cfg.train.epochs
     return [
-        Experiment(b, seed, scaled_lr(cfg.train.lr, cfg.train.batch_size, b, cfg.sweep.lr_scaling), epochs)
-        for b in cfg.sweep.batch_sizes
-        for seed in cfg.sweep.seeds
+        Experiment(
+            b,
+            seed,
+            m * scaled_lr(cfg.train.lr, cfg.train.batch_size, b, sc.lr_scaling),
+            epochs,
+            m,
+            max(1, steps_per_epoch(n_train, b) // sc.evals_per_epoch),
+        )
+        for b in sc.batch_sizes
+        for m in sc.lr_multipliers
+        for seed in sc.seeds
     ]
 
 
@@ -64,7 +79,7 @@ def experiment_config(cfg: Config, exp: Experiment) -> Config:
     raw = cfg.model_dump()
     # identical conditions: the same epochs for everyone, so no early stopping
     raw["train"].update(batch_size=exp.batch_size, lr=exp.lr, seed=exp.seed, epochs=exp.epochs)
-    raw["train"]["early_stopping_patience"] = 0
+    raw["train"].update(early_stopping_patience=0, eval_every_steps=exp.eval_every_steps)
     return parse_config(raw)
 
 
@@ -72,9 +87,15 @@ def fingerprint(cfg: Config, exp: Experiment, data_hash: str) -> str:
     return f"{experiment_config(cfg, exp).section_hash('model', 'train')}-{data_hash}"
 
 
-def _epoch_to_95pct(history: list[dict[str, float]]) -> int:
-    final = history[-1]["val_accuracy"]
-    return next(int(h["epoch"]) for h in history if h["val_accuracy"] >= 0.95 * final)
+@functools.cache
+def _step_memory(cfg: Config, n_features: int, n_classes: int) -> float:
+    """The tensor peak of one step: the same for every seed and lr, so measured once per batch size."""
+    device = resolve_device(cfg.train)
+    return memory.step_memory_mib(cfg, n_features, n_classes, cfg.train.batch_size // cfg.train.world_size(), device)
+
+
+def _floats(rows: list[dict[str, str]], key: str) -> list[float]:
+    return [float(row[key]) if row.get(key) not in (None, "") else math.nan for row in rows]
 
 
 def _train_and_score(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
@@ -83,11 +104,19 @@ def _train_and_score(cfg: Config, exp: Experiment, paths: stages.Paths, parent_r
     out = paths.outputs / "sweep" / "experiments" / exp.name
     exp_paths = stages.Paths(root=paths.root, out=out)
     dataset = data.load(paths.data)
-    tags = {"sweep.batch_size": str(exp.batch_size), "sweep.seed": str(exp.seed)}
-    info = stages.train(experiment_config(cfg, exp), exp_paths, parent_run_id, exp.name, tags, dataset)
+    tags = {
+        "sweep.batch_size": str(exp.batch_size),
+        "sweep.seed": str(exp.seed),
+        "sweep.lr_multiplier": f"{exp.lr_multiplier:g}",
+    }
+    exp_cfg = experiment_config(cfg, exp)
+    info = stages.train(exp_cfg, exp_paths, parent_run_id, f"sweep-{exp.name}", tags, dataset)
     history = [{k: float(v) for k, v in row.items()} for row in report.read_csv(exp_paths.reports / "history.csv")]
+    curve = report.read_csv(exp_paths.reports / "val_curve.csv")
     test, _, _ = evaluate.score_test_split(exp_paths.model, dataset)
     train_seconds = sum(h["epoch_seconds"] for h in history)
+    # read before the step-memory probe, which resets the process's RSS peak
+    peak_rss = max(h["peak_memory_mb"] for h in history)
     result = {
         **asdict(exp),
         "name": exp.name,
@@ -99,19 +128,35 @@ def _train_and_score(cfg: Config, exp: Experiment, paths: stages.Paths, parent_r
         "samples_per_s": statistics.median(h["samples_per_s"] for h in history),
         "epoch_seconds": statistics.median(h["epoch_seconds"] for h in history),
         "train_seconds": train_seconds,
-        "peak_memory_mb": max(h["peak_memory_mb"] for h in history),
-        "grad_norm_mean": sum(h["grad_norm_mean"] for h in history) / len(history),
-        "grad_norm_var": sum(h["grad_norm_var"] for h in history) / len(history),
-        "epoch_to_95pct_val_accuracy": _epoch_to_95pct(history),
-        "val_loss_curve": [h["val_loss"] for h in history],
+        "step_memory_mib": _step_memory(exp_cfg, dataset.n_features, dataset.n_classes),
+        "peak_rss_mib": peak_rss,
+        "grad_norm_mean": statistics.fmean(h["grad_norm_mean"] for h in history),
+        "gns_b_simple": history[-1].get("gns.b_simple", math.nan),
+        "curve_steps": [int(v) for v in _floats(curve, "step")],
+        "curve_val_loss": _floats(curve, "val_loss"),
+        "curve_b_simple": _floats(curve, "gns.b_simple"),
     }
     result["overhead_seconds"] = time.perf_counter() - started - train_seconds
     result["finished_at"] = time.time()  # what a killed sweep's next attempt counts its wall time up to
     with tracking.run(cfg.tracking, run_id=info.get("run_id"), enabled=info.get("run_id") is not None) as tracker:
-        tracker.log_metrics({k: float(result[k]) for k in report.FIGURES if k in result})
+        # their own keys: logged under the per-epoch names they would read as the last epoch's value
+        tracker.log_metrics({f"summary.{k}": float(result[k]) for k in SUMMARY if math.isfinite(result[k])})
     atomic.write_json(out / "result.json", result)
     log.info("sweep: %s f1 %.4f, %.0f samples/s", exp.name, result["test_f1_macro"], result["samples_per_s"])
     return result
+
+
+SUMMARY = (
+    "test_f1_macro",
+    "test_accuracy",
+    "samples_per_s",
+    "epoch_seconds",
+    "train_seconds",
+    "step_memory_mib",
+    "peak_rss_mib",
+    "grad_norm_mean",
+    "gns_b_simple",
+)
 
 
 def _finished(path: Path, expected: str) -> dict[str, Any] | None:
@@ -182,8 +227,13 @@ def _save_state(
 ) -> None:
     """`attempt_started_at` is set while an attempt runs: if it is still set when the next one
     starts, the last one was killed (SIGKILL) before it could add its time to `wall_seconds`."""
-    state = {"sweep": sweep.key, "parent_run_id": sweep.parent_run_id, "wall_seconds": wall_seconds,
-             "attempt_started_at": attempt_started_at, "reported": reported}  # fmt: skip
+    state = {
+        "sweep": sweep.key,
+        "parent_run_id": sweep.parent_run_id,
+        "wall_seconds": wall_seconds,
+        "attempt_started_at": attempt_started_at,
+        "reported": reported,
+    }
     atomic.write_json(_state_path(paths), state)
 
 
@@ -214,8 +264,11 @@ def prepare(cfg: Config, paths: stages.Paths) -> Sweep:
     earlier = _earlier_wall_seconds(state, finished)
     sweep = Sweep(experiments, finished, key, state.get("parent_run_id"), earlier, state.get("reported"))
     if sweep.up_to_date:
-        log.info("sweep: all %d experiments already finished; nothing to do (delete %s/ to re-measure)",
-                 len(experiments), paths.outputs / "sweep")  # fmt: skip
+        log.info(
+            "sweep: all %d experiments already finished; nothing to do (delete %s/ to re-measure)",
+            len(experiments),
+            paths.outputs / "sweep",
+        )
     elif finished:
         log.info("sweep: resuming, %d of %d experiments already finished", len(finished), len(experiments))
     return sweep
@@ -245,23 +298,37 @@ def parent_run(cfg: Config, paths: stages.Paths, sweep: Sweep) -> Iterator[track
 
 
 def finish(
-    paths: stages.Paths, sweep: Sweep, results: dict[str, dict[str, Any]], parent: tracking.Tracker
+    cfg: Config, paths: stages.Paths, sweep: Sweep, results: dict[str, dict[str, Any]], parent: tracking.Tracker
 ) -> dict[str, Any]:
-    """Write the report from every experiment's result and log it on the parent run.
+    """Analyse every experiment's result, write the report and log it on the parent run.
 
     The report depends on the results and the stored wall time only, so an up-to-date sweep
     rewrites the same bytes (`dvc repro` deletes reports/sweep before the stage runs)."""
     ordered = [{**sweep.finished, **results}[e.name] for e in sweep.experiments]
     wall = sweep.wall_seconds if sweep.up_to_date else sweep.elapsed()
     folder = paths.reports / "sweep"
-    summary = report.write(ordered, folder)
-    summary["sweep_wall_seconds"] = wall
-    summary["sum_train_seconds"] = sum(r["train_seconds"] for r in ordered)
-    # DVC metrics: figures only (the table is summary.md)
-    atomic.write_json(folder / "sweep.json", {k: v for k, v in summary.items() if k != "markdown"})
+    n_test = int(data.load(paths.data).test.y.shape[0])
+    result = study.analyse(ordered, n_test, cfg.sweep.target_val_loss, cfg.sweep.memory_budget_mb)
+    context = {
+        "lr_scaling": cfg.sweep.lr_scaling,
+        "base_batch": cfg.train.batch_size,
+        "optimizer": cfg.train.optimizer,
+        "epochs": cfg.sweep.epochs or cfg.train.epochs,
+        "memory_budget_mb": cfg.sweep.memory_budget_mb,
+    }
+    markdown = report.write(result, folder, context)
+    figures = {
+        **result.figures(),
+        "sweep_wall_seconds": wall,
+        "sum_train_seconds": sum(r["train_seconds"] for r in ordered),
+    }
+    atomic.write_json(folder / "sweep.json", figures)  # DVC metrics: figures only (the table is summary.md)
+    summary = {**figures, "markdown": markdown}
     if sweep.up_to_date:
         return summary
-    parent.log_metrics({k: float(v) for k, v in summary.items() if isinstance(v, int | float)})
+    parent.log_metrics({k: float(v) for k, v in figures.items()})
+    parent.log_table(result.rows, "sweep/summary_table.json")
+    parent.set_tags({tracking.NOTE: markdown})
     for file in sorted(folder.iterdir()):
         parent.log_artifact(file, "sweep")
     _save_state(paths, sweep, wall, attempt_started_at=None, reported=_digest(ordered))
@@ -275,5 +342,5 @@ def run_sweep(cfg: Config, paths: stages.Paths) -> dict[str, Any]:
         with parent_run(cfg, paths, sweep) as parent, ThreadPoolExecutor(max_workers=cfg.sweep.parallel) as pool:
             futures = {e.name: pool.submit(run_experiment, cfg, e, paths, parent.run_id) for e in sweep.todo}
             results = {name: future.result() for name, future in futures.items()}
-            summary = finish(paths, sweep, results, parent)
+            summary = finish(cfg, paths, sweep, results, parent)
     return summary

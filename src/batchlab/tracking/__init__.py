@@ -12,12 +12,13 @@
 """
 
 from batchlab.tracking.backend import TrackingUnavailable, check_reachable, prepare_backend, quiet_mlflow, resolve_uri
-from batchlab.tracking.base import CHAMPION, Resumable, Tracker
+from batchlab.tracking.base import CHAMPION, NOTE, Resumable, Tracker
 from batchlab.tracking.lifecycle import Interrupted, attach, run
 from batchlab.tracking.provenance import environment_tags
 
 __all__ = [
     "CHAMPION",
+    "NOTE",
     "Interrupted",
     "Resumable",
     "Tracker",

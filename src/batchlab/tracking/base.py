@@ -18,6 +18,7 @@ CHAMPION = "champion"  # the registry alias of the best model so far
 REAPED = "batchlab.reaped"
 RESUMED = "batchlab.resumed_at_epoch"
 RESUMED_FROM = "batchlab.resumed_from_run"  # when that run could not be continued
+NOTE = "mlflow.note.content"  # the run's description in the MLflow UI
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class Tracker:
         pass
 
     def log_artifact(self, path: str | Path, folder: str | None = None) -> None:
+        pass
+
+    def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
         pass
 
     def log_datasets(self, dataset: Dataset, source: str) -> None:

@@ -123,6 +123,11 @@ class MlflowTracker(Tracker):
     def log_artifact(self, path: str | Path, folder: str | None = None) -> None:
         self._persist(Path(path).name, self.client.log_artifact, self.run_id, str(path), folder)
 
+    def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        """Rows as an MLflow table: the run's Artifacts tab shows it, mlflow.load_table reads it back."""
+        columns = {key: [row.get(key) for row in rows] for key in rows[0]} if rows else {}
+        self._persist(artifact_file, self.client.log_table, self.run_id, columns, artifact_file)
+
     def log_datasets(self, dataset: Dataset, source: str) -> None:
         from mlflow.data.numpy_dataset import from_numpy
         from mlflow.entities import DatasetInput, InputTag

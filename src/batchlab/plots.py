@@ -1,0 +1,116 @@
+"""The batch-size study's PNGs: figures against batch size, steps against examples, val curves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from batchlab import atomic, critical
+from batchlab.study import Study
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _batch_axis(ax: Any, batches: list[int]) -> None:
+    """Log-scale batch axis labelled with the batch sizes only: the default minor-tick labels
+    (2×10¹, 3×10¹, ...) print on top of 16…512."""
+    from matplotlib.ticker import NullFormatter, NullLocator
+
+    ax.set_xscale("log")
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _save(fig: Any, path: Path) -> None:
+    plt = _pyplot()
+    atomic.write_with(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    plt.close(fig)
+
+
+def against_batch(study: Study, folder: Path) -> None:
+    plt = _pyplot()
+    batches = [r["batch_size"] for r in study.rows]
+    for key, label, name in (
+        ("test_f1_macro", "test F1 (macro)", "f1_vs_batch.png"),
+        ("samples_per_s", "throughput (samples/s)", "throughput_vs_batch.png"),
+        ("step_memory_mib", "step tensor memory (MiB)", "memory_vs_batch.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        means = [r[f"{key}_mean"] for r in study.rows]
+        errors = [r[f"{key}_ci95"] if r[f"{key}_ci95"] == r[f"{key}_ci95"] else 0.0 for r in study.rows]
+        ax.errorbar(batches, means, yerr=errors, marker="o", capsize=3)
+        ax.set(xlabel="batch size", ylabel=label, title=f"{label} vs batch size (95% CI)")
+        _batch_axis(ax, batches)
+        fig.tight_layout()
+        _save(fig, folder / name)
+
+
+def steps_vs_examples(study: Study, folder: Path) -> None:
+    """Each experiment's (examples, steps) to the target, the batch means labelled, the fitted
+    hyperbola and its two regimes."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    done = [r for r in study.results if r["steps_to_target"] is not None]
+    ax.scatter([r["examples_to_target"] for r in done], [r["steps_to_target"] for r in done], s=12, alpha=0.4)
+    for row in study.rows:
+        if row["reached"]:
+            e, s = row["examples_to_target_mean"], row["steps_to_target_mean"]
+            ax.plot(e, s, "o", color="C0")
+            ax.annotate(f"B={row['batch_size']}", (e, s), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    fit = study.fit
+    if isinstance(fit, critical.Fit):
+        lo, hi = min(r["batch_size"] for r in study.rows) / 4, max(r["batch_size"] for r in study.rows) * 4
+        grid = [lo * (hi / lo) ** (i / 199) for i in range(200)]
+        ax.plot(
+            [fit.steps_at(b) * b for b in grid],
+            [fit.steps_at(b) for b in grid],
+            "--",
+            color="C1",
+            label=f"(S/S_min−1)(E/E_min−1)=1, B_crit={fit.b_crit:.0f}, R²={fit.r2:.2f}",
+        )
+        ax.axhline(fit.s_min, color="grey", lw=0.8, ls=":")
+        ax.axvline(fit.e_min, color="grey", lw=0.8, ls=":")
+        ax.plot(2 * fit.e_min, 2 * fit.s_min, "x", color="C1", label=f"B = B_crit ({fit.b_crit:.0f})")
+        ax.text(0.03, 0.04, "← perfect scaling (B < B_crit)", transform=ax.transAxes, fontsize=8)
+        ax.text(0.97, 0.93, "diminishing returns (B > B_crit) →", transform=ax.transAxes, fontsize=8, ha="right")
+        ax.legend(fontsize=7, loc="upper center")
+    if not done:
+        ax.text(0.5, 0.5, "no experiment reached the target", transform=ax.transAxes, ha="center")
+    ax.set(
+        xscale="log" if done else "linear",
+        yscale="log" if done else "linear",
+        xlabel="examples to target (E)",
+        ylabel="optimizer steps to target (S)",
+        title=f"Steps vs examples to val loss ≤ {study.target:.3f}",
+    )
+    fig.tight_layout()
+    _save(fig, folder / "steps_vs_examples.png")
+
+
+def val_curves(study: Study, folder: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    colours = {b: f"C{i % 10}" for i, b in enumerate(sorted(study.lr_choice))}
+    for r in study.results:
+        label = f"batch {r['batch_size']}" if r["seed"] == min(x["seed"] for x in study.results) else None
+        examples = [s * r["batch_size"] for s in r["curve_steps"]]
+        ax.plot(examples, r["curve_val_loss"], color=colours[r["batch_size"]], lw=0.8, alpha=0.7, label=label)
+    ax.axhline(study.target, color="black", lw=0.8, ls="--", label="target")
+    ax.set(xscale="log", xlabel="examples seen", ylabel="val loss", title="Validation loss by batch size")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, folder / "val_loss_curves.png")
+
+
+def draw(study: Study, folder: Path) -> None:
+    against_batch(study, folder)
+    steps_vs_examples(study, folder)
+    val_curves(study, folder)

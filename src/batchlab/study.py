@@ -1,0 +1,161 @@
+"""The batch-size study's analysis: results in, figures and a verdict out (no I/O).
+
+Per batch size it keeps the learning rate with the best val loss, finds the step at which each
+experiment first reached one target val loss, fits the critical batch size (critical.py), reads
+the gradient noise scale at the target, and decides which batch size to use (verdict.py).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from batchlab import critical, memory
+from batchlab.verdict import Verdict, decide, mean_ci
+
+# per experiment, shown per batch size as a mean with its 95% CI, in the table's order
+FIGURES = (
+    "test_f1_macro",
+    "test_accuracy",
+    "steps_to_target",
+    "examples_to_target",
+    "seconds_to_target",
+    "samples_per_s",
+    "step_memory_mib",
+    "gns_b_simple_at_target",
+    "grad_norm_mean",
+    "peak_rss_mib",
+    "epoch_seconds",
+    "overhead_seconds",
+)
+
+
+def pick_lrs(results: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[int, float]]:
+    """Per batch size, the lr multiplier whose experiments reach the lowest val loss (mean over
+    seeds); returns the experiments kept and each batch size's winning multiplier."""
+    best_loss: dict[tuple[int, float], list[float]] = defaultdict(list)
+    for r in results:
+        best_loss[(r["batch_size"], r["lr_multiplier"])].append(min(r["curve_val_loss"]))
+    chosen: dict[int, float] = {}
+    for (batch, mult), losses in sorted(best_loss.items()):
+        if batch not in chosen or statistics.fmean(losses) < statistics.fmean(best_loss[(batch, chosen[batch])]):
+            chosen[batch] = mult
+    kept = [r for r in results if chosen[r["batch_size"]] == r["lr_multiplier"]]
+    return kept, chosen
+
+
+def reach(result: dict[str, Any], target: float) -> dict[str, Any]:
+    """The experiment with its steps, examples and training seconds to `target` (None: never)."""
+    step = critical.first_reach(result["curve_steps"], result["curve_val_loss"], target)
+    if step is None:
+        return {
+            **result,
+            **dict.fromkeys(("steps_to_target", "examples_to_target", "seconds_to_target", "gns_b_simple_at_target")),
+        }
+    examples = step * result["batch_size"]
+    at = result["curve_steps"].index(step)
+    return {
+        **result,
+        "steps_to_target": step,
+        "examples_to_target": examples,
+        # at the median throughput: scoring the val split along the way is not training time
+        "seconds_to_target": examples / result["samples_per_s"],
+        "gns_b_simple_at_target": result["curve_b_simple"][at],
+    }
+
+
+def _finite(values: list[Any]) -> list[float]:
+    return [float(v) for v in values if v is not None and math.isfinite(float(v))]
+
+
+def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per batch size: mean and 95% CI half-width of every figure over the seeds that
+    have it (`reached`: how many seeds reached the target)."""
+    by_batch: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in results:
+        by_batch[r["batch_size"]].append(r)
+    rows = []
+    for batch, runs in sorted(by_batch.items()):
+        row: dict[str, Any] = {
+            "batch_size": batch,
+            "lr": runs[0]["lr"],
+            "lr_multiplier": runs[0]["lr_multiplier"],
+            "seeds": len(runs),
+            "reached": sum(r["steps_to_target"] is not None for r in runs),
+        }
+        for key in FIGURES:
+            values = _finite([r.get(key) for r in runs])
+            mean, half = mean_ci(values) if values else (math.nan, math.nan)
+            row[f"{key}_mean"], row[f"{key}_ci95"] = mean, half
+        rows.append(row)
+    return rows
+
+
+@dataclass(frozen=True)
+class Study:
+    results: list[dict[str, Any]]  # the experiments kept (the winning lr per batch size), with their reach
+    rows: list[dict[str, Any]]  # one per batch size
+    lr_choice: dict[int, float]  # batch size -> winning lr multiplier
+    target: float
+    target_rule: str
+    fit: critical.Fit | critical.NoFit
+    b_simple: float  # the median gradient noise scale at the target over the experiments (NaN: none)
+    verdict: Verdict
+    n_test: int
+    budget_batch: int | None  # the largest batch predicted to fit sweep.memory_budget_mb
+
+    def figures(self) -> dict[str, float | int]:
+        """The headline numbers: `dvc metrics show`, the parent run's metrics."""
+        out: dict[str, float | int] = {
+            "best_f1_batch_size": self.verdict.best,
+            "recommended_batch_size": self.verdict.recommended,
+            "target_val_loss": self.target,
+            "test_rows": self.n_test,
+            "seeds": min(r["seeds"] for r in self.rows),
+        }
+        if isinstance(self.fit, critical.Fit):
+            out.update(b_crit=self.fit.b_crit, s_min=self.fit.s_min, e_min=self.fit.e_min, fit_r2=self.fit.r2)
+            if math.isfinite(self.fit.b_crit_low):
+                out.update(b_crit_ci95_low=self.fit.b_crit_low, b_crit_ci95_high=self.fit.b_crit_high)
+            if math.isfinite(self.b_simple) and self.b_simple > 0:
+                out["b_crit_over_b_simple"] = self.fit.b_crit / self.b_simple
+        if math.isfinite(self.b_simple):
+            out["b_simple_at_target"] = self.b_simple
+        if self.budget_batch is not None:
+            out["largest_batch_within_budget"] = self.budget_batch
+        return out
+
+
+def analyse(
+    results: list[dict[str, Any]], n_test: int, target_val_loss: float | None, memory_budget_mb: float | None
+) -> Study:
+    kept, lr_choice = pick_lrs(results)
+    if target_val_loss is None:
+        target = critical.auto_target([r["curve_val_loss"] for r in kept])
+        rule = (
+            f"the highest of the experiments' lowest val losses, plus {critical.TARGET_MARGIN:.0%}, "
+            "so every experiment reaches it (sweep.target_val_loss sets another)"
+        )
+    else:
+        target, rule = target_val_loss, "sweep.target_val_loss"
+    kept = [reach(r, target) for r in kept]
+    rows = aggregate(kept)
+    fit = critical.fit([(r["batch_size"], r["steps_to_target"]) for r in kept])
+    at_target = _finite([r["gns_b_simple_at_target"] for r in kept])
+    b_simple = statistics.median(at_target) if at_target else math.nan
+    f1: dict[int, dict[int, float]] = defaultdict(dict)
+    for r in kept:
+        f1[r["batch_size"]][r["seed"]] = r["test_f1_macro"]
+    seconds = {
+        row["batch_size"]: row["seconds_to_target_mean"] if row["reached"] == row["seeds"] else None for row in rows
+    }
+    throughput = {row["batch_size"]: row["samples_per_s_mean"] for row in rows}
+    verdict = decide(f1, seconds, throughput, n_test)
+    budget_batch = None
+    if memory_budget_mb is not None:
+        points = [(row["batch_size"], row["step_memory_mib_mean"]) for row in rows]
+        budget_batch = memory.largest_batch_within(memory_budget_mb, points)
+    return Study(kept, rows, lr_choice, target, rule, fit, b_simple, verdict, n_test, budget_batch)

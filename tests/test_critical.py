@@ -1,0 +1,53 @@
+"""The critical-batch fit: exact on data that follows the model, honest when it cannot fit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from batchlab import critical
+
+
+def _steps(batch: int, s_min: float = 40.0, b_crit: float = 250.0) -> float:
+    return s_min * (1 + b_crit / batch)  # S = S_min (1 + B_crit/B) satisfies (S/S_min-1)(E/E_min-1) = 1
+
+
+def test_fit_recovers_b_crit_s_min_and_e_min_exactly_on_synthetic_data() -> None:
+    fit = critical.fit([(b, _steps(b)) for b in (16, 32, 64, 128, 256, 512)])  # type: ignore[misc]
+    assert isinstance(fit, critical.Fit)
+    assert fit.b_crit == pytest.approx(250.0, rel=1e-9)
+    assert fit.s_min == pytest.approx(40.0, rel=1e-9)
+    assert fit.e_min == pytest.approx(40.0 * 250.0, rel=1e-9)
+    assert fit.r2 == pytest.approx(1.0)
+    assert fit.steps_at(64) == pytest.approx(_steps(64))
+    assert math.isnan(fit.b_crit_low)  # one value per batch size: no interval to state
+
+
+def test_bootstrap_interval_over_seeds_brackets_b_crit_and_is_reproducible() -> None:
+    noise = {0: 0.95, 1: 1.0, 2: 1.05}
+    points = [(b, round(_steps(b) * noise[seed])) for b in (16, 32, 64, 128, 256, 512) for seed in noise]
+    fit = critical.fit(points)
+    assert isinstance(fit, critical.Fit)
+    assert fit.b_crit_low < fit.b_crit < fit.b_crit_high
+    again = critical.fit(points)
+    assert isinstance(again, critical.Fit) and (again.b_crit_low, again.b_crit_high) == (fit.b_crit_low, fit.b_crit_high)
+
+
+def test_fewer_than_three_batch_sizes_reaching_the_target_is_no_fit_and_says_why() -> None:
+    fit = critical.fit([(16, 100), (32, 60), (64, None), (128, None)])
+    assert isinstance(fit, critical.NoFit) and "only 2 batch size(s) reached the target" in fit.reason
+
+
+def test_steps_that_keep_halving_give_no_critical_batch_size() -> None:
+    # perfect scaling at every size, with a little noise: E does not grow, so no B_crit in range
+    fit = critical.fit([(16, 1000), (32, 510), (64, 250), (128, 126)])
+    assert isinstance(fit, critical.NoFit) and "no critical batch size" in fit.reason
+
+
+def test_auto_target_is_reached_by_every_curve() -> None:
+    curves = [[1.0, 0.5, 0.3], [1.0, 0.6, 0.4, 0.35], [0.9, 0.45]]
+    target = critical.auto_target(curves)
+    assert target == pytest.approx(0.45 * 1.02)
+    assert all(critical.first_reach(list(range(len(c))), c, target) is not None for c in curves)
+    assert critical.first_reach([10, 20], [0.5, 0.4], 0.3) is None
