@@ -28,7 +28,7 @@ TINY: dict[str, Any] = {
     "evaluate": {},
     "export": {},
     "tracking": {"enabled": False},
-    "sweep": {"batch_sizes": [16, 32, 64], "epochs": 3},
+    "sweep": {"batch_sizes": [16, 32, 64], "epochs": 3, "seeds": [0]},
 }
 
 

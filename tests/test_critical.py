@@ -31,7 +31,10 @@ def test_bootstrap_interval_over_seeds_brackets_b_crit_and_is_reproducible() -> 
     assert isinstance(fit, critical.Fit)
     assert fit.b_crit_low < fit.b_crit < fit.b_crit_high
     again = critical.fit(points)
-    assert isinstance(again, critical.Fit) and (again.b_crit_low, again.b_crit_high) == (fit.b_crit_low, fit.b_crit_high)
+    assert isinstance(again, critical.Fit) and (again.b_crit_low, again.b_crit_high) == (
+        fit.b_crit_low,
+        fit.b_crit_high,
+    )
 
 
 def test_fewer_than_three_batch_sizes_reaching_the_target_is_no_fit_and_says_why() -> None:

@@ -75,8 +75,17 @@ def test_report_files_state_cis_units_and_the_assumptions(tmp_path: Path) -> Non
     results = [_result(b, seed) for b in (16, 64, 256) for seed in (0, 1, 2)]
     found = study.analyse(results, n_test=600, target_val_loss=0.2, memory_budget_mb=None)
     text = report.write(found, tmp_path, _context())
-    for name in ("summary.csv", "summary.md", "steps_vs_examples.csv", "curves.csv", "f1_vs_batch.png",
-                 "throughput_vs_batch.png", "memory_vs_batch.png", "steps_vs_examples.png", "val_loss_curves.png"):
+    for name in (
+        "summary.csv",
+        "summary.md",
+        "steps_vs_examples.csv",
+        "curves.csv",
+        "f1_vs_batch.png",
+        "throughput_vs_batch.png",
+        "memory_vs_batch.png",
+        "steps_vs_examples.png",
+        "val_loss_curves.png",
+    ):
         assert (tmp_path / name).stat().st_size > 0, name  # fmt: skip
     assert "step memory (MiB)" in text and "peak RSS (MiB)" in text and " ± " in text
     assert "sqrt rule" in text and "adamw" in text and "3 seed(s)" in text and "B_crit" in text

@@ -47,7 +47,8 @@ COMMANDS = {
         "train at every sweep.batch_sizes and write the trade-off report",
         "Reads params.yaml's model, train and sweep sections and data/prepared/. Writes sweep/ (one folder "
         "per experiment, kept across runs so an interrupted sweep resumes) and reports/sweep/: "
-        "reports/sweep/summary.md (the table), reports/sweep/sweep.json (the headline figures), CSVs and "
+        "reports/sweep/summary.md (the table, the verdict, the critical batch size), reports/sweep/sweep.json "
+        "(the headline figures), CSVs and "
         "plots; one MLflow parent run and a child run per experiment.",
     ),
     "ui-url": (

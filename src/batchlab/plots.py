@@ -79,9 +79,11 @@ def steps_vs_examples(study: Study, folder: Path) -> None:
         ax.axhline(fit.s_min, color="grey", lw=0.8, ls=":")
         ax.axvline(fit.e_min, color="grey", lw=0.8, ls=":")
         ax.plot(2 * fit.e_min, 2 * fit.s_min, "x", color="C1", label=f"B = B_crit ({fit.b_crit:.0f})")
-        ax.text(0.03, 0.04, "← perfect scaling (B < B_crit)", transform=ax.transAxes, fontsize=8)
-        ax.text(0.97, 0.93, "diminishing returns (B > B_crit) →", transform=ax.transAxes, fontsize=8, ha="right")
-        ax.legend(fontsize=7, loc="upper center")
+        ax.text(0.06, 0.93, "perfect scaling (B < B_crit): E ≈ E_min", transform=ax.transAxes, fontsize=8)
+        ax.text(
+            0.97, 0.1, "diminishing returns (B > B_crit): S ≈ S_min", transform=ax.transAxes, fontsize=8, ha="right"
+        )
+        ax.legend(fontsize=7, loc="upper right", bbox_to_anchor=(1.0, 0.88))
     if not done:
         ax.text(0.5, 0.5, "no experiment reached the target", transform=ax.transAxes, ha="center")
     ax.set(

@@ -8,7 +8,6 @@ reruns as a no-op. One sweep at a time per folder: a second one is refused (Swee
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import logging
@@ -87,11 +86,18 @@ def fingerprint(cfg: Config, exp: Experiment, data_hash: str) -> str:
     return f"{experiment_config(cfg, exp).section_hash('model', 'train')}-{data_hash}"
 
 
-@functools.cache
+_STEP_MEMORY: dict[str, float] = {}
+
+
 def _step_memory(cfg: Config, n_features: int, n_classes: int) -> float:
     """The tensor peak of one step: the same for every seed and lr, so measured once per batch size."""
-    device = resolve_device(cfg.train)
-    return memory.step_memory_mib(cfg, n_features, n_classes, cfg.train.batch_size // cfg.train.world_size(), device)
+    raw = cfg.model_dump()
+    raw["train"].update(seed=0, lr=1.0)  # neither moves the memory
+    key = parse_config(raw).section_hash("model", "train") + f"-{n_features}-{n_classes}"
+    if key not in _STEP_MEMORY:
+        batch = cfg.train.batch_size // cfg.train.world_size()  # one process's share
+        _STEP_MEMORY[key] = memory.step_memory_mib(cfg, n_features, n_classes, batch, resolve_device(cfg.train))
+    return _STEP_MEMORY[key]
 
 
 def _floats(rows: list[dict[str, str]], key: str) -> list[float]:
