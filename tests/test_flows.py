@@ -89,6 +89,7 @@ def test_pipeline_flow_links_prefect_and_mlflow_and_caches_generation(root: Path
     flow_run_id = state.state_details.flow_run_id
     run_info = MlflowClient(f"sqlite:///{root / 'mlflow.db'}").get_run(out["run_id"])
     assert run_info.data.tags["prefect.flow_run_id"] == str(flow_run_id)
+    assert run_info.info.run_name.startswith("prefect-") and "-train-bs" in run_info.info.run_name
     assert run_info.data.metrics["test_f1_macro"] == pytest.approx(out["metrics"]["f1_macro"])
     assert out["onnx_max_abs_diff"] <= 1e-4
     artifact = _artifact("batchlab-test-metrics")

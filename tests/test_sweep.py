@@ -202,7 +202,7 @@ def test_resumed_sweep_reports_totals_over_every_experiment(workdir: Path) -> No
 
     second = sweep.run_sweep(cfg, paths)
     new = [r for r in _runs(uri) if r.info.run_id not in runs_before]
-    assert [r.info.run_name for r in new] == ["bs32-seed0"]  # only the missing experiment trained
+    assert [r.info.run_name for r in new] == ["sweep-bs32-seed0"]  # only the missing experiment trained
     assert {name: (experiments / name / "result.json").read_text() for name in kept} == kept
     results = [json.loads(p.read_text()) for p in sorted(experiments.glob("*/result.json"))]
     assert len(results) == 3

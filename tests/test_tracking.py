@@ -418,3 +418,13 @@ def test_a_tracking_server_that_stays_down_costs_no_model_and_its_metrics_are_se
     r = client.get_run(run_id)
     assert r.info.status == "FINISHED" and "test_f1_macro" in r.data.metrics
     assert not kept.exists()
+
+
+def test_run_names_say_what_started_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
+    monkeypatch.delenv("DVC_STAGE", raising=False)
+    assert tracking.origin() == "cli"
+    monkeypatch.setenv("DVC_STAGE", "train")  # what DVC sets for every stage command
+    assert tracking.origin() == "dvc"
+    monkeypatch.setenv("DVC_EXP_NAME", "gummy-tars")  # what `dvc exp run` adds
+    assert tracking.origin() == "exp-gummy-tars"

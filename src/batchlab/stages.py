@@ -135,8 +135,10 @@ def train(
         launch.launch(cfg.train, _rank_args(cfg, paths), paths.root, run_id=None)
         return {}
     tc = cfg.train
-    name = name or f"bs{tc.batch_size}-lr{tc.lr:g}-{tc.strategy}-{tc.precision}"
-    tags = {**tracking.environment_tags(), **(tags or {})}
+    # what made it, then what it trained: `dvc-train-bs64-lr0.003-single-fp32`, `exp-<name>-train-...`
+    origin = tracking.origin()
+    name = name or f"{origin}-train-bs{tc.batch_size}-lr{tc.lr:g}-{tc.strategy}-{tc.precision}"
+    tags = {**tracking.environment_tags(), "batchlab.origin": origin, **(tags or {})}
     # a training resumed from its checkpoint continues the run of the killed one
     previous = resume.find(paths.checkpoint, fingerprint(cfg, dataset))
     with tracking.run(cfg.tracking, name=name, parent_run_id=parent_run_id, tags=tags, resume=previous) as tracker:

@@ -14,7 +14,7 @@
 from batchlab.tracking.backend import TrackingUnavailable, check_reachable, prepare_backend, quiet_mlflow, resolve_uri
 from batchlab.tracking.base import CHAMPION, NOTE, Resumable, Tracker
 from batchlab.tracking.lifecycle import Interrupted, attach, run
-from batchlab.tracking.provenance import environment_tags
+from batchlab.tracking.provenance import environment_tags, origin
 
 __all__ = [
     "CHAMPION",
@@ -26,6 +26,7 @@ __all__ = [
     "attach",
     "check_reachable",
     "environment_tags",
+    "origin",
     "prepare_backend",
     "quiet_mlflow",
     "resolve_uri",

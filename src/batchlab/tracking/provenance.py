@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -37,3 +39,19 @@ def environment_tags() -> dict[str, str]:
     if data_hash:
         tags["dvc.data_hash"] = data_hash
     return tags
+
+
+def origin() -> str:
+    """What started this process, for run names: `dvc exp run` (its experiment's name), `dvc repro`,
+    a Prefect flow run (its name), or a plain command."""
+    if os.environ.get("DVC_EXP_NAME"):
+        return f"exp-{os.environ['DVC_EXP_NAME']}"
+    if os.environ.get("DVC_STAGE"):  # DVC sets it for every stage command it runs
+        return "dvc"
+    if "prefect" in sys.modules:  # imported by a flow; a plain command never pays for prefect
+        from prefect.context import FlowRunContext
+
+        context = FlowRunContext.get()
+        if context is not None and context.flow_run is not None:
+            return f"prefect-{context.flow_run.name}"
+    return "cli"
