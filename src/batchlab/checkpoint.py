@@ -35,6 +35,10 @@ class TrainState:
     # non-finite steps in a row at the end of the last epoch: the guard counts across epochs
     nonfinite_run: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
+    # val loss every train.eval_every_steps steps (TrainResult.val_curve); a resumed run continues it
+    val_curve: list[dict[str, float]] = field(default_factory=list)
+    # gns.NoiseScale.state_dict(): its EMAs, so a resumed run continues them instead of restarting
+    noise_scale: dict[str, float] = field(default_factory=dict)
 
     def record(self, row: dict[str, float], nonfinite_run: int) -> bool:
         """Add an epoch's figures; True when its val loss is the best so far (keep its weights)."""

@@ -103,6 +103,10 @@ def train_worker(
         if strategy.is_main:
             save_model(paths.model, result.model, cfg.model, dataset.n_features, dataset.class_names)
             atomic.write_text(paths.reports / "history.csv", report.to_csv(result.history))
+            if result.val_curve:  # train.eval_every_steps > 0
+                atomic.write_text(paths.reports / "val_curve.csv", report.to_csv(result.val_curve))
+            else:  # not a stale curve from an earlier run
+                (paths.reports / "val_curve.csv").unlink(missing_ok=True)
             summary = {"best_epoch": result.best_epoch, "epochs_run": len(result.history),
                        "stopped_early": result.stopped_early}  # fmt: skip
             atomic.write_json(paths.reports / "train_summary.json", summary)

@@ -18,11 +18,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import get_total_norm
 
 from batchlab.config import ConfigError, TrainConfig
+from batchlab.gns import CommHookProbe, LossFn, MicroBatchProbe, NoiseScale, PerExampleProbe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -70,6 +72,9 @@ class Strategy:
     scaler: torch.amp.GradScaler = field(init=False)
     _params: list[nn.Parameter] = field(init=False, default_factory=list)
     _flat_grads: torch.Tensor | None = field(init=False, default=None)
+    _noise: NoiseScale | None = field(init=False, default=None)
+    _probe: PerExampleProbe | MicroBatchProbe | CommHookProbe | None = field(init=False, default=None)
+    _step_rows: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
@@ -119,23 +124,37 @@ class Strategy:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
 
-    def setup(self, model: nn.Module) -> nn.Module:
+    def setup(self, model: nn.Module, noise: NoiseScale | None = None, loss_fn: LossFn = F.cross_entropy) -> nn.Module:
         """Ready `model` (on the device) for training: what the loop calls forward on. One process:
         every gradient becomes a view of one flat buffer, so the norm and the zeroing are one op each
-        (~25% of a small model's step). DDP: the wrapped model, which owns its gradient buckets."""
+        (~25% of a small model's step). DDP: the wrapped model, which owns its gradient buckets.
+
+        With an enabled `noise`, every step also measures the gradient noise scale into it (gns.py):
+        the two batch sizes are one rank's rows vs the global batch under DDP, a micro-batch vs the
+        batch with accumulation, otherwise single examples (gradients of `loss_fn`) vs the batch."""
         self.reset_peak_memory()
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._flat_grads = None
+        self._noise = noise if noise is not None and noise.enabled else None
+        self._probe, self._step_rows = None, 0
         if self.is_distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             # gradients as views of DDP's buckets: no copy per step (1.37x -> 1.53x on 2 CPU ranks here)
-            return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+            ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+            if self._noise is not None:
+                self._probe = CommHookProbe(ddp, self.world_size)
+            return ddp
         flat = torch.zeros(sum(p.numel() for p in self._params), device=self.device)
         offset = 0
         for p in self._params:
             p.grad = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
         self._flat_grads = flat
+        if self._noise is not None:
+            accumulates = self.grad_accum_steps > 1
+            self._probe = (
+                MicroBatchProbe(flat, self.grad_accum_steps) if accumulates else PerExampleProbe(model, loss_fn)
+            )
         return model
 
     def micro_batches(self, net: nn.Module, batch: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -154,19 +173,24 @@ class Strategy:
                 net.require_backward_grad_sync = i == len(chunks) - 1  # what no_sync() sets
             yield chunk
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's mean loss, scaled so the accumulated gradient is the step's mean."""
+    def backward(self, loss: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """Backward of one micro-batch's mean loss over `inputs`, scaled so the accumulated gradient
+        is the step's mean. The noise probe sees the rows (per-example gradients are taken of them)."""
         if self.grad_accum_steps > 1:
             loss = loss / self.grad_accum_steps
         self.scaler.scale(loss).backward()
+        if self._probe is not None and self._noise is not None:
+            self._probe.after_backward(self._noise.steps + 1, inputs, targets)
+            self._step_rows += inputs.shape[0]
 
     def step(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """Unscale, measure the gradient norm, step unless it is non-finite, zero. Returns the norm."""
+        """Unscale, measure the gradient norm (and noise scale), step unless non-finite, zero. Returns the norm."""
         self.scaler.unscale_(optimizer)
         if self._flat_grads is not None:
             norm = torch.linalg.vector_norm(self._flat_grads)
         else:
             norm = get_total_norm([p.grad for p in self._params if p.grad is not None])
+        self._measure_noise(norm)  # unscaled, before the optimizer changes the weights
         if self.scaler.is_enabled():
             self.scaler.step(optimizer)  # skips non-finite steps itself
             self.scaler.update()
@@ -181,6 +205,19 @@ class Strategy:
         else:
             optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def _measure_noise(self, norm: torch.Tensor) -> None:
+        """Give the noise scale the step's gradient norm and the probe's small-batch squared norm (on device)."""
+        if self._noise is None or self._probe is None:
+            return
+        rows, self._step_rows = self._step_rows, 0
+        small = self._probe.small(self._noise.steps + 1, self._loss_scale_sq())
+        self._noise.record_step(norm, small, rows * self.world_size)
+
+    def _loss_scale_sq(self) -> torch.Tensor | float:
+        """The fp16 loss scale, squared: what scaled gradients' squared norms are divided by."""
+        scale = self.scaler._scale if self.scaler.is_enabled() else None  # the tensor: get_scale() syncs
+        return 1.0 if scale is None else scale.double().square().float()
 
     def mean_across_ranks(self, values: torch.Tensor) -> torch.Tensor:
         if self.is_distributed:

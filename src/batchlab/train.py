@@ -7,7 +7,7 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from torch import nn
 from batchlab.checkpoint import Checkpoint, Trainee, TrainState
 from batchlab.config import Config, TrainConfig
 from batchlab.data import Dataset, Split
+from batchlab.gns import NoiseScale, Trajectory
 from batchlab.model import build_model
 from batchlab.strategy import Strategy
 from batchlab.tracking import Tracker
@@ -37,6 +38,8 @@ class TrainResult:
     history: list[dict[str, float]]
     best_epoch: int
     stopped_early: bool
+    # val loss every train.eval_every_steps steps: step, examples, val_loss, gns.b_simple
+    val_curve: list[dict[str, float]] = field(default_factory=list)
 
 
 def make_optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:
@@ -96,6 +99,15 @@ def predict_logits(model: nn.Module, x: torch.Tensor, strategy: Strategy, chunk:
     with strategy.autocast():
         out = [model(x[i : i + chunk]).float() for i in range(0, x.shape[0], chunk)]
     return torch.cat(out)
+
+
+def _val_curve(scored: list[tuple[int, torch.Tensor]], noise: Trajectory, batch_size: int) -> list[dict[str, float]]:
+    """An epoch's val points, read back in one sync, with the noise scale at each point's step."""
+    losses = torch.stack([loss for _, loss in scored]).tolist() if scored else []
+    return [
+        {"step": float(step), "examples": float(step * batch_size), "val_loss": loss, "gns.b_simple": noise.at(step)}
+        for (step, _), loss in zip(scored, losses, strict=True)
+    ]
 
 
 def _tensors(split: Split, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,7 +196,9 @@ def fit(
         trainee, state = _trainee(cfg, dataset, strategy, steps), TrainState()
         strategy.scaler.load_state_dict(initial_scaler)
     model, optimizer, schedule = trainee.model, trainee.optimizer, trainee.schedule
-    net = strategy.setup(model)
+    noise = NoiseScale(enabled=tc.gns, population=n_train)
+    noise.load_state_dict(state.noise_scale)  # a resumed run continues the EMAs
+    net = strategy.setup(model, noise, F.cross_entropy)
     x_train, y_train = _tensors(dataset.train, strategy.device)
     x_val, y_val = _tensors(dataset.val, strategy.device)
     bar = _progress(tc.epochs, state.epoch, strategy.is_main)
@@ -200,18 +214,29 @@ def fit(
         net.train()
         losses: list[torch.Tensor] = []
         norms: list[torch.Tensor] = []
+        scored: list[tuple[int, torch.Tensor]] = []  # (global step, val loss) within the epoch
+        scoring_seconds = 0.0  # kept out of samples_per_s, as the end-of-epoch validation is
         started = time.perf_counter()
         for step in range(steps):
             for rows in strategy.micro_batches(net, order[step * tc.batch_size : (step + 1) * tc.batch_size]):
+                inputs, targets = x_train[rows], y_train[rows]
                 with strategy.autocast():
-                    loss = F.cross_entropy(net(x_train[rows]), y_train[rows])
-                strategy.backward(loss)
+                    loss = F.cross_entropy(net(inputs), targets)
+                strategy.backward(loss, inputs, targets)
                 losses.append(loss.detach())
             norms.append(strategy.step(optimizer))
             schedule.step()
+            done = epoch * steps + step + 1  # steps since step 0, across epochs and resumes
+            if tc.eval_every_steps and done % tc.eval_every_steps == 0:
+                scoring = time.perf_counter()
+                scored.append((done, F.cross_entropy(predict_logits(model, x_val, strategy), y_val)))
+                net.train()  # predict_logits left the model in eval mode
+                scoring_seconds += time.perf_counter() - scoring
         # one host sync per epoch: the step's figures stay on the device until here
         stats = _epoch_stats(losses, norms, strategy, state.nonfinite_run)
-        seconds = time.perf_counter() - started
+        state.val_curve += _val_curve(scored, noise.settle(), tc.batch_size)
+        state.noise_scale = noise.state_dict()
+        seconds = time.perf_counter() - started - scoring_seconds
         if stats.worst_nonfinite_run >= tc.max_nonfinite_steps:
             raise NonFiniteError(
                 f"{stats.worst_nonfinite_run} consecutive steps had non-finite gradients by epoch {epoch + 1} "
@@ -230,6 +255,7 @@ def fit(
             "grad_norm_var": stats.norm_var,
             "nonfinite_steps": float(stats.nonfinite),
             "lr": float(optimizer.param_groups[0]["lr"]),
+            **noise.metrics(),  # gns.b_simple, gns.grad_sq, gns.trace_sigma: EMAs at the epoch's end
         }
         if state.record(row, stats.last_nonfinite_run):
             trainee.keep_best()
@@ -246,7 +272,13 @@ def fit(
     model.load_state_dict(trainee.best_weights)
     model.eval()
     stopped_early = len(state.history) < tc.epochs
-    return TrainResult(model=model, history=state.history, best_epoch=state.best_epoch, stopped_early=stopped_early)
+    return TrainResult(
+        model=model,
+        history=state.history,
+        best_epoch=state.best_epoch,
+        stopped_early=stopped_early,
+        val_curve=state.val_curve,
+    )
 
 
 def _trainee(cfg: Config, dataset: Dataset, strategy: Strategy, steps: int) -> Trainee:
