@@ -6,9 +6,12 @@ moves with the batch; these figures count only the step's own tensors.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +54,7 @@ def _trainer(cfg: Config, n_features: int, n_classes: int, batch_size: int, devi
         for part in strategy.micro_batches(net, rows):
             with strategy.autocast():
                 loss = F.cross_entropy(net(x[part]), y[part])
-            strategy.backward(loss)
+            strategy.backward(loss, x[part], y[part])
         strategy.step(optimizer)
 
     return step
@@ -66,7 +69,7 @@ def _cpu_peak_bytes(cfg: Config, n_features: int, n_classes: int, batch_size: in
     keeps the bytes of earlier profiling sessions that were freed while no profiler was running.
     """
     gc.collect()  # a leftover from an earlier session freed mid-profile would subtract bytes never added
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step = _trainer(cfg, n_features, n_classes, batch_size, torch.device("cpu"))
         step()
         with record_function(_MEASURED):
@@ -83,6 +86,21 @@ def _cpu_peak_bytes(cfg: Config, n_features: int, n_classes: int, batch_size: in
         if window.start_ns() <= event.start_ns() <= window.end_ns():
             peak = max(peak, live)
     return peak
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Kineto prints "USDT: ... profiler_start/stop" lines from C++ on every profile, whatever
+    KINETO_LOG_LEVEL says: point the process's fd 2 elsewhere for the fraction of a second it runs."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _cuda_peak_bytes(cfg: Config, n_features: int, n_classes: int, batch_size: int, device: torch.device) -> int:

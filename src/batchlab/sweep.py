@@ -145,24 +145,25 @@ def _train_and_score(cfg: Config, exp: Experiment, paths: stages.Paths, parent_r
     result["overhead_seconds"] = time.perf_counter() - started - train_seconds
     result["finished_at"] = time.time()  # what a killed sweep's next attempt counts its wall time up to
     with tracking.run(cfg.tracking, run_id=info.get("run_id"), enabled=info.get("run_id") is not None) as tracker:
-        # their own keys: logged under the per-epoch names they would read as the last epoch's value
-        tracker.log_metrics({f"summary.{k}": float(result[k]) for k in SUMMARY if math.isfinite(result[k])})
+        tracker.log_metrics({key: float(result[k]) for key, k in SUMMARY.items() if math.isfinite(result[k])})
     atomic.write_json(out / "result.json", result)
     log.info("sweep: %s f1 %.4f, %.0f samples/s", exp.name, result["test_f1_macro"], result["samples_per_s"])
     return result
 
 
-SUMMARY = (
-    "test_f1_macro",
-    "test_accuracy",
-    "samples_per_s",
-    "epoch_seconds",
-    "train_seconds",
-    "step_memory_mib",
-    "peak_rss_mib",
-    "grad_norm_mean",
-    "gns_b_simple",
-)
+# a child run's own figures, under keys of their own (`summary.*`): logged under the per-epoch
+# names, the runs table would show them as the last epoch's value
+SUMMARY = {
+    "summary.test_f1_macro": "test_f1_macro",
+    "summary.test_accuracy": "test_accuracy",
+    "summary.samples_per_s_median": "samples_per_s",
+    "summary.epoch_seconds_median": "epoch_seconds",
+    "summary.train_seconds": "train_seconds",
+    "summary.step_memory_mib": "step_memory_mib",
+    "summary.peak_rss_mib": "peak_rss_mib",
+    "summary.grad_norm_mean": "grad_norm_mean",
+    "summary.gns_b_simple": "gns_b_simple",
+}
 
 
 def _finished(path: Path, expected: str) -> dict[str, Any] | None:
