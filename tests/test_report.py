@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from batchlab import critical, report, study
+from batchlab import atomic, critical, report, study
 
 
 def _result(batch: int, seed: int, mult: float = 1.0, f1: float = 0.95, floor: float = 0.1) -> dict[str, Any]:
@@ -89,8 +89,8 @@ def test_report_files_state_cis_units_and_the_assumptions(tmp_path: Path) -> Non
         assert (tmp_path / name).stat().st_size > 0, name  # fmt: skip
     assert "step memory (MiB)" in text and "peak RSS (MiB)" in text and " ± " in text
     assert "sqrt rule" in text and "adamw" in text and "3 seed(s)" in text and "B_crit" in text
-    table = report.read_csv(tmp_path / "summary.csv")
+    table = atomic.read_csv(tmp_path / "summary.csv")
     assert [int(r["batch_size"]) for r in table] == [16, 64, 256] and "step_memory_mib_mean" in table[0]
-    points = report.read_csv(tmp_path / "steps_vs_examples.csv")
+    points = atomic.read_csv(tmp_path / "steps_vs_examples.csv")
     assert len(points) == 9 and int(points[0]["examples"]) == int(points[0]["steps"]) * int(points[0]["batch_size"])
     json.dumps(found.figures())  # plain numbers: sweep.json and MLflow metrics

@@ -16,7 +16,7 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
-from batchlab import report, stages, sweep
+from batchlab import atomic, stages, sweep
 from batchlab.config import ConfigError
 from batchlab.train import initial_model
 from tests.conftest import env_with_venv, merge, run, tiny_config, wait_until, write_params
@@ -65,7 +65,7 @@ def test_sweep_records_parent_children_and_report(workdir: Path) -> None:
         "summary.csv", "summary.md", "curves.csv", "sweep.json", "steps_vs_examples.csv", "f1_vs_batch.png",
         "throughput_vs_batch.png", "memory_vs_batch.png", "steps_vs_examples.png", "val_loss_curves.png",
     }  # fmt: skip
-    table = report.read_csv(folder / "summary.csv")
+    table = atomic.read_csv(folder / "summary.csv")
     assert [int(r["batch_size"]) for r in table] == [16, 32, 64]
     f1_16 = [c.data.metrics["summary.test_f1_macro"] for c in children if c.data.params["train.batch_size"] == "16"]
     assert float(table[0]["test_f1_macro_mean"]) == pytest.approx(sum(f1_16) / 2)
@@ -152,7 +152,7 @@ def test_parallel_sweep_runs_experiments_in_processes_without_tracking_collision
     runs = client.search_runs([client.get_experiment_by_name("sweep-test").experiment_id])
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
     assert len(children) == 6 and all(r.info.status == "FINISHED" for r in children)
-    table = report.read_csv(workdir / "reports/sweep/summary.csv")
+    table = atomic.read_csv(workdir / "reports/sweep/summary.csv")
     assert all(r["seeds"] == "2" for r in table)
     assert "±" in (workdir / "reports/sweep/summary.md").read_text()  # mean ± std across seeds
 
@@ -243,7 +243,7 @@ def test_second_sweep_in_the_same_folder_refuses_at_once(repo_copy: Path, tmp_pa
     assert len(parents) == 1 and len(children) == 3 and len(runs) == 4
     assert all(r.info.status == "FINISHED" for r in runs)
     assert len(list((repo_copy / "sweep/experiments").glob("*/result.json"))) == 3
-    assert [int(r["batch_size"]) for r in report.read_csv(repo_copy / "reports/sweep/summary.csv")] == [16, 32, 64]
+    assert [int(r["batch_size"]) for r in atomic.read_csv(repo_copy / "reports/sweep/summary.csv")] == [16, 32, 64]
 
 
 @pytest.mark.slow

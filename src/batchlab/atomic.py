@@ -1,7 +1,10 @@
-"""Write outputs under a temporary name and rename, so a crash never leaves half a file."""
+"""Write outputs under a temporary name and rename, so a crash never leaves half a file; CSV tables
+of rows (dicts) written that way and read back."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import shutil
@@ -49,3 +52,21 @@ def write_text(path: str | Path, text: str) -> None:
 
 def write_json(path: str | Path, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def to_csv(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
+    """Rows as CSV text; `columns` names the header when there may be no rows."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns or list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def write_csv(path: str | Path, rows: list[dict[str, Any]], columns: list[str] | None = None) -> None:
+    write_text(path, to_csv(rows, columns))
+
+
+def read_csv(path: str | Path) -> list[dict[str, str]]:
+    with Path(path).open(newline="") as f:
+        return list(csv.DictReader(f))

@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchlab import atomic, critical
-from batchlab.study import Study
 
-
-def read_csv(path: Path) -> list[dict[str, str]]:
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def to_csv(rows: list[dict[str, Any]]) -> str:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return buf.getvalue()
+if TYPE_CHECKING:
+    from batchlab.study import Study
 
 
 def _cell(row: dict[str, Any], key: str, digits: int) -> str:
@@ -139,7 +126,7 @@ def write(study: Study, folder: Path, context: dict[str, Any]) -> str:
     from batchlab import plots
 
     text = markdown(study, context)
-    atomic.write_text(folder / "summary.csv", to_csv(study.rows))
+    atomic.write_csv(folder / "summary.csv", study.rows)
     atomic.write_text(folder / "summary.md", text)
     points = [
         {
@@ -153,14 +140,12 @@ def write(study: Study, folder: Path, context: dict[str, Any]) -> str:
         if r["steps_to_target"] is not None
     ]
     # header only when nothing reached the target: dvc.yaml declares the file either way
-    atomic.write_text(
-        folder / "steps_vs_examples.csv", to_csv(points) if points else "name,batch_size,seed,steps,examples\n"
-    )
+    atomic.write_csv(folder / "steps_vs_examples.csv", points, ["name", "batch_size", "seed", "steps", "examples"])
     curves = [
         {"name": r["name"], "batch_size": r["batch_size"], "step": s, "examples": s * r["batch_size"], "val_loss": v}
         for r in study.results
         for s, v in zip(r["curve_steps"], r["curve_val_loss"], strict=True)
     ]
-    atomic.write_text(folder / "curves.csv", to_csv(curves))
+    atomic.write_csv(folder / "curves.csv", curves)
     plots.draw(study, folder)
     return text

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from batchlab import atomic, data, launch, report, resume, tracking
+from batchlab import atomic, data, launch, resume, tracking
 from batchlab import config as config_module
 from batchlab import export as onnx
 from batchlab.config import Config, dump_config
@@ -102,9 +102,9 @@ def train_worker(
         tracker.flush()
         if strategy.is_main:
             save_model(paths.model, result.model, cfg.model, dataset.n_features, dataset.class_names)
-            atomic.write_text(paths.reports / "history.csv", report.to_csv(result.history))
+            atomic.write_csv(paths.reports / "history.csv", result.history)
             if result.val_curve:  # train.eval_every_steps > 0
-                atomic.write_text(paths.reports / "val_curve.csv", report.to_csv(result.val_curve))
+                atomic.write_csv(paths.reports / "val_curve.csv", result.val_curve)
             else:  # not a stale curve from an earlier run
                 (paths.reports / "val_curve.csv").unlink(missing_ok=True)
             summary = {"best_epoch": result.best_epoch, "epochs_run": len(result.history),

@@ -117,8 +117,8 @@ def _train_and_score(cfg: Config, exp: Experiment, paths: stages.Paths, parent_r
     }
     exp_cfg = experiment_config(cfg, exp)
     info = stages.train(exp_cfg, exp_paths, parent_run_id, f"sweep-{exp.name}", tags, dataset)
-    history = [{k: float(v) for k, v in row.items()} for row in report.read_csv(exp_paths.reports / "history.csv")]
-    curve = report.read_csv(exp_paths.reports / "val_curve.csv")
+    history = [{k: float(v) for k, v in row.items()} for row in atomic.read_csv(exp_paths.reports / "history.csv")]
+    curve = atomic.read_csv(exp_paths.reports / "val_curve.csv")
     test, _, _ = evaluate.score_test_split(exp_paths.model, dataset)
     train_seconds = sum(h["epoch_seconds"] for h in history)
     # read before the step-memory probe, which resets the process's RSS peak
