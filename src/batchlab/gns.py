@@ -19,7 +19,8 @@ are its three ways: per-example gradients (torch.func), the micro-batches of gra
 accumulation, and a DDP communication hook (each rank's gradient vs the all-reduced one).
 """
 
-from __future__ import annotations
+# no `from __future__ import annotations`: DDP checks a communication hook's annotations at
+# runtime, and a string "dist.GradBucket" fails that check
 
 import bisect
 import math
