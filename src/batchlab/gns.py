@@ -19,7 +19,7 @@ are its three ways: per-example gradients (torch.func), the micro-batches of gra
 accumulation, and a DDP communication hook (each rank's gradient vs the all-reduced one).
 
 Cost (benchmarks/bench_gns.py, MLP [64, 64], 1 CPU thread): vmap(grad) costs a fixed ~1.5 ms
-a call, 4-5 steps' time at batch 16-64, so the per-example probe measures every 64th step
+a call, 4-5 steps' time at batch 16-64, so the per-example probe measures every 100th step
 (every step would be +400%); the micro-batch probe measures every 2nd step; the DDP hook every
 step (its extra element rides on the all-reduce it replaces).
 """
@@ -38,19 +38,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call, grad, vmap
+from torch.nn.utils import get_total_norm
 
 # per measurement. A measurement's estimates scatter by about their mean; the EMA's effective
 # sample size is (1 + d) / (1 - d) = 39 measurements (~16% relative error if independent),
 # while its memory of ~20 measurements still follows B_simple as it grows over training (it
 # rises as the loss falls). Bias correction makes the first measurements usable. On the
-# per-example path that memory is ~1300 steps: there B_simple is a long running average.
+# per-example path that memory is ~2000 steps: there B_simple is a long running average.
 DECAY = 0.95
 # rows whose per-example gradients are taken; a call's cost hardly depends on it (dispatch-bound)
 PER_EXAMPLE_ROWS = 32
 # measure every k-th step: the per-example probe's call costs 4-5 small steps (module docstring),
-# so 1 in 64 keeps it to ~6% of step time at batch 16; the micro-batch probe's two ops per
-# micro-batch cost ~10% of a small accumulated step when run every step
-PER_EXAMPLE_EVERY = 64
+# so 1 in 100 keeps it to ~5% of step time at batch 16 (1 in 64 measured 8-14% there, under
+# a neighbour's load); the micro-batch probe's two ops per micro-batch cost ~10% of a small
+# accumulated step when run every step
+PER_EXAMPLE_EVERY = 100
 MICRO_BATCH_EVERY = 2
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -220,9 +222,8 @@ class PerExampleProbe:
         devices = [x.device] if x.device.type == "cuda" else []  # the CPU generator is always restored
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             grads = self.per_example_grads(self.params, x, y)
-        per_example = sum(g.float().pow(2).flatten(1).sum(1) for g in grads.values())
-        assert isinstance(per_example, torch.Tensor)
-        return per_example.mean(), 1
+        # mean_i |g_i|² = (sum over every example and parameter of g²) / rows: one foreach norm
+        return get_total_norm(list(grads.values())).float().square() / x.shape[0], 1
 
 
 class MicroBatchProbe:
