@@ -20,7 +20,7 @@ accumulation, and a DDP communication hook (each rank's gradient vs the all-redu
 
 Cost (benchmarks/bench_gns.py, MLP [64, 64], 1 CPU thread): vmap(grad) costs a fixed ~1.5 ms
 a call, 4-5 steps' time at batch 16-64, so the per-example probe measures every 100th step
-(every step would be +400%); the micro-batch probe measures every 2nd step; the DDP hook every
+(every step would be +400%); the micro-batch probe measures every 4th step; the DDP hook every
 step (its extra element rides on the all-reduce it replaces).
 """
 
@@ -50,10 +50,10 @@ DECAY = 0.95
 PER_EXAMPLE_ROWS = 32
 # measure every k-th step: the per-example probe's call costs 4-5 small steps (module docstring),
 # so 1 in 100 keeps it to ~5% of step time at batch 16 (1 in 64 measured 8-14% there, under
-# a neighbour's load); the micro-batch probe's two ops per micro-batch cost ~10% of a small
-# accumulated step when run every step
+# a neighbour's load); the micro-batch probe's two ops per micro-batch cost ~15% of a small
+# accumulated step when run every step (6-11% every 2nd step, under load)
 PER_EXAMPLE_EVERY = 100
-MICRO_BATCH_EVERY = 2
+MICRO_BATCH_EVERY = 4
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
