@@ -9,7 +9,7 @@ the ratio of the EMAs; a mean of per-step ratios would be biased.
 Those formulas assume rows drawn with replacement from an endless stream. A batch here is
 drawn without replacement from the N train rows, so its mean's covariance is Σ/B·(N-B)/(N-1):
 read through the formulas, that is a |G|² short by tr(Σ)/(N-1), which makes B_simple blow
-up as it nears N (20% high at B_simple = N/5). `NoiseScale(population=N)` corrects it exactly:
+up as it nears N (25% high at B_simple = N/5). `NoiseScale(population=N)` corrects it exactly:
 E|G_B|² = G'² + tr'/B with G'² = |G|² - tr(Σ)/(N-1) and tr' = tr(Σ)·N/(N-1), so the EMAs
 estimate G'² and tr', and |G|² = G'² + tr'/N, tr(Σ) = tr'·(N-1)/N (Σ: the covariance of the
 per-example gradients over the train rows).
@@ -17,9 +17,15 @@ per-example gradients over the train rows).
 Where the two batch sizes come from is the strategy's choice (strategy.py); the probes here
 are its three ways: per-example gradients (torch.func), the micro-batches of gradient
 accumulation, and a DDP communication hook (each rank's gradient vs the all-reduced one).
+
+Cost (benchmarks/bench_gns.py, MLP [64, 64], 1 CPU thread): vmap(grad) costs a fixed ~1.5 ms
+a call, 4-5 steps' time at batch 16-64, so the per-example probe measures every 100th step
+(every step would be +400%); the micro-batch probe measures every 4th step; the DDP hook every
+step (its extra element rides on the all-reduce it replaces).
 """
 
-from __future__ import annotations
+# no `from __future__ import annotations`: DDP checks a communication hook's annotations at
+# runtime, and a string "dist.GradBucket" fails that check
 
 import bisect
 import math
@@ -32,19 +38,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call, grad, vmap
+from torch.nn.utils import get_total_norm
 
-# per measurement. A step's estimates scatter by more than their mean; the EMA's effective
-# sample size is (1 + d) / (1 - d) = 39 measurements (relative error ~1/sqrt(39) = 16% if they
-# were independent), while its memory of ~20 measurements still follows B_simple as it grows
-# over training (it rises as the loss falls). Bias correction makes the first epochs usable.
+# per measurement. A measurement's estimates scatter by about their mean; the EMA's effective
+# sample size is (1 + d) / (1 - d) = 39 measurements (~16% relative error if independent),
+# while its memory of ~20 measurements still follows B_simple as it grows over training (it
+# rises as the loss falls). Bias correction makes the first measurements usable. On the
+# per-example path that memory is ~2000 steps: there B_simple is a long running average.
 DECAY = 0.95
-# per-example gradients cost about one extra forward+backward of this many rows per measured step
+# rows whose per-example gradients are taken; a call's cost hardly depends on it (dispatch-bound)
 PER_EXAMPLE_ROWS = 32
-# measure every k-th step on the per-example path: vmap(grad) costs a fixed ~0.5-1 ms of
-# dispatch per call on a small MLP, 1-3 steps' time at batch 16-64 (benchmarks/bench_gns.py)
-PER_EXAMPLE_EVERY = 64
-# and every k-th step on the micro-batch path (accumulation)
-MICRO_BATCH_EVERY = 2
+# measure every k-th step: the per-example probe's call costs 4-5 small steps (module docstring),
+# so 1 in 100 keeps it to ~5% of step time at batch 16 (1 in 64 measured 8-14% there, under
+# a neighbour's load); the micro-batch probe's two ops per micro-batch cost ~15% of a small
+# accumulated step when run every step (6-11% every 2nd step, under load)
+PER_EXAMPLE_EVERY = 100
+MICRO_BATCH_EVERY = 4
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -181,8 +190,9 @@ class NoiseScale:
 
 class PerExampleProbe:
     """B_small = 1: the mean over (up to PER_EXAMPLE_ROWS of) the step's rows of |g_i|², from
-    vmap(grad) on a functional copy of the model, every `every`-th step. Runs in fp32 outside
-    autocast and leaves the global RNG (dropout in the real step) as it found it."""
+    vmap(grad) on a functional copy of the model, every `every`-th step (PER_EXAMPLE_EVERY).
+    Runs in fp32 outside autocast and leaves the global RNG (dropout in the real step) as it
+    found it, so training takes the same steps with or without it."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, every: int | None = None) -> None:
         self.model, self.every = model, every or PER_EXAMPLE_EVERY
@@ -212,15 +222,14 @@ class PerExampleProbe:
         devices = [x.device] if x.device.type == "cuda" else []  # the CPU generator is always restored
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             grads = self.per_example_grads(self.params, x, y)
-        per_example = sum(g.float().pow(2).flatten(1).sum(1) for g in grads.values())
-        assert isinstance(per_example, torch.Tensor)
-        return per_example.mean(), 1
+        # mean_i |g_i|² = (sum over every example and parameter of g²) / rows: one foreach norm
+        return get_total_norm(list(grads.values())).float().square() / x.shape[0], 1
 
 
 class MicroBatchProbe:
     """B_small = the micro-batch: each micro-batch's gradient is what its backward added to the
-    flat gradient buffer, in the units of the scaled, 1/n-divided loss. Every `every`-th step:
-    two ops per micro-batch cost ~10% of a small model's accumulated step when done every step."""
+    flat gradient buffer, in the units of the scaled, 1/n-divided loss. Every `every`-th step
+    (MICRO_BATCH_EVERY)."""
 
     def __init__(self, flat_grads: torch.Tensor, micro_batches: int, every: int | None = None) -> None:
         self.flat, self.micro_batches, self.every = flat_grads, micro_batches, every or MICRO_BATCH_EVERY

@@ -1,0 +1,114 @@
+"""What measuring the gradient noise scale costs: fit() with train.gns on vs off, one process.
+
+The params.yaml model (MLP [64, 64], dropout 0.1, AdamW) on 1 thread at batch 16, 64 and 512.
+On one process without accumulation B_simple comes from per-example gradients (torch.func
+vmap(grad) over up to gns.PER_EXAMPLE_ROWS of the step's rows). Every step that would cost
+several steps' time (a fixed ~1 ms of functorch dispatch on this small model), so fit()
+measures every gns.PER_EXAMPLE_EVERY-th step; the "every step" rows show why. Accumulation
+(micro-batches vs the batch) measures every gns.MICRO_BATCH_EVERY-th step. Variants run interleaved, the median of
+REPEATS is kept, and the load average is recorded: a neighbour's load hits all variants alike.
+
+    python benchmarks/bench_gns.py    # prints the table, saves benchmarks/gns_results.json
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchlab import atomic, gns
+from batchlab.config import Config, load_config
+from batchlab.data import Dataset, build
+from batchlab.strategy import Strategy
+from batchlab.train import fit
+from common import REPO, Table, markdown, progress
+
+BATCH_SIZES = (16, 64, 512)
+EPOCHS = 3
+REPEATS = 5
+OVERHEAD_TARGET = 0.10  # issue #11: gns costs at most 10% of step time
+RESULTS = REPO / "benchmarks" / "gns_results.json"
+# name -> (train overrides, per-example measuring period; None = the default)
+VARIANTS: dict[str, tuple[dict[str, Any], int | None]] = {
+    "off": ({"gns": False}, None),
+    "on": ({"gns": True}, None),
+    "on, per-example every step": ({"gns": True}, 1),
+    "off, accum 4": ({"gns": False, "grad_accum_steps": 4}, None),
+    "on, accum 4": ({"gns": True, "grad_accum_steps": 4}, None),
+}
+
+
+def config(batch_size: int, train: dict[str, Any]) -> Config:
+    base = load_config(REPO / "params.yaml")
+    fixed = {"epochs": EPOCHS, "batch_size": batch_size, "early_stopping_patience": 0, "threads": 1, "device": "cpu"}
+    return base.model_copy(
+        update={
+            "data": base.data.model_copy(update={"samples": 20_000}),
+            "train": base.train.model_copy(update={**fixed, **train}),
+            "tracking": base.tracking.model_copy(update={"enabled": False}),
+        }
+    )
+
+
+def train_seconds(cfg: Config, dataset: Dataset, every: int | None, checkpoint: Path) -> float:
+    """Seconds of training steps (the epochs' epoch_seconds: no validation or checkpoint)."""
+    checkpoint.unlink(missing_ok=True)
+    default = gns.PER_EXAMPLE_EVERY
+    gns.PER_EXAMPLE_EVERY = every or default
+    try:
+        strategy = Strategy(torch.device("cpu"), grad_accum_steps=cfg.train.grad_accum_steps)
+        history = fit(cfg, dataset, strategy, checkpoint=checkpoint).history
+    finally:
+        gns.PER_EXAMPLE_EVERY = default
+    return sum(row["epoch_seconds"] for row in history)
+
+
+def main() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    dataset = build(config(BATCH_SIZES[0], {}).data)[0]
+    rows = dataset.train.y.shape[0]
+    table = Table(
+        f"Gradient noise scale cost: fit() {EPOCHS} epochs over {rows} rows, MLP [64, 64], dropout 0.1, AdamW, "
+        f"1 thread, median of {REPEATS}; per-example every {gns.PER_EXAMPLE_EVERY} steps, "
+        f"micro-batches every {gns.MICRO_BATCH_EVERY}",
+        ["batch", "variant", "ms/step", "vs off", "target ≤ +10%"],
+    )
+    measured: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        # torch.func's first call in a process costs ~1 s: paid here, not by the first variant
+        train_seconds(config(BATCH_SIZES[-1], {"epochs": 1}), dataset, 1, Path(tmp) / "c.pt")
+        for batch in BATCH_SIZES:
+            steps = EPOCHS * (rows // batch)
+            times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+            for repeat in range(REPEATS):
+                progress(f"gns: batch {batch}, repeat {repeat + 1}/{REPEATS}")
+                for name, (train, every) in VARIANTS.items():
+                    times[name].append(train_seconds(config(batch, train), dataset, every, Path(tmp) / "c.pt"))
+            median = {name: statistics.median(t) for name, t in times.items()}
+            for name in VARIANTS:
+                base = median["off, accum 4" if "accum" in name else "off"]
+                ratio = median[name] / base
+                default = not name.startswith("off") and "every step" not in name  # what fit() runs
+                met = ("met" if ratio <= 1 + OVERHEAD_TARGET else "MISSED") if default else ""
+                table.add(batch, name, f"{1000 * median[name] / steps:.3f}", f"{ratio:.3f}×", met)
+            measured[str(batch)] = {"steps": steps, "seconds": times, "median_seconds": median}
+    periods = {"per_example_every": gns.PER_EXAMPLE_EVERY, "micro_batch_every": gns.MICRO_BATCH_EVERY}
+    return {"tables": [table.as_dict()], "measured": measured, **periods}
+
+
+if __name__ == "__main__":
+    load = os.getloadavg()[0]
+    outcome = main()
+    result = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "load_average_before": load,
+              "load_average_after": os.getloadavg()[0], "cpu_count": os.cpu_count(), "torch": torch.__version__,
+              **outcome}  # fmt: skip
+    atomic.write_json(RESULTS, result)
+    print(f"_load average {load:.2f} at start, {result['load_average_after']:.2f} at end_\n", file=sys.stdout)
+    print(markdown(outcome["tables"]))
