@@ -30,7 +30,7 @@ from batchlab.strategy import Strategy
 from batchlab.train import fit
 from common import REPO, Table, markdown, progress
 
-BATCH_SIZES = (16, 64, 512)
+BATCH_SIZES = (16, 64, 256, 512)
 EPOCHS = 3
 REPEATS = 5
 OVERHEAD_TARGET = 0.10  # issue #11: gns costs at most 10% of step time

@@ -19,8 +19,9 @@ are its three ways: per-example gradients (torch.func), the micro-batches of gra
 accumulation, and a DDP communication hook (each rank's gradient vs the all-reduced one).
 
 Cost (benchmarks/bench_gns.py, MLP [64, 64], 1 CPU thread): vmap(grad) costs a fixed ~1.5 ms
-a call, 4-5 steps' time at batch 16-64, so the per-example probe measures every 100th step
-(every step would be +400%); the micro-batch probe measures every 4th step; the DDP hook every
+a call, 4-5 steps' time at batch 16-64, so the per-example probe measures every 100th step at
+small batches and every 3200 rows at large ones (batch 512: every 7th step); every step would
+be +400%. The micro-batch probe measures every 4th step; the DDP hook every
 step (its extra element rides on the all-reduce it replaces).
 """
 
@@ -53,6 +54,11 @@ PER_EXAMPLE_ROWS = 32
 # a neighbour's load); the micro-batch probe's two ops per micro-batch cost ~15% of a small
 # accumulated step when run every step (6-11% every 2nd step, under load)
 PER_EXAMPLE_EVERY = 100
+# ...but a large batch's step costs several small ones, and a short run at batch 512 has only
+# ~100 steps: measure once per this many trained rows instead when that is more often (batch
+# 64: every 50th step, 512: every 7th), never more often than every PER_EXAMPLE_MIN_EVERY-th
+PER_EXAMPLE_ROWS_BETWEEN = 3200
+PER_EXAMPLE_MIN_EVERY = 5
 MICRO_BATCH_EVERY = 4
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -190,12 +196,13 @@ class NoiseScale:
 
 class PerExampleProbe:
     """B_small = 1: the mean over (up to PER_EXAMPLE_ROWS of) the step's rows of |g_i|², from
-    vmap(grad) on a functional copy of the model, every `every`-th step (PER_EXAMPLE_EVERY).
+    vmap(grad) on a functional copy of the model, every `every`-th step (by default from the
+    batch: PER_EXAMPLE_ROWS_BETWEEN rows apart, at most PER_EXAMPLE_EVERY steps).
     Runs in fp32 outside autocast and leaves the global RNG (dropout in the real step) as it
     found it, so training takes the same steps with or without it."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, every: int | None = None) -> None:
-        self.model, self.every = model, every or PER_EXAMPLE_EVERY
+        self.model, self.every = model, every
         # views of the live parameters: the optimizer updates them in place
         self.params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
         self.buffers = dict(model.named_buffers())
@@ -216,6 +223,9 @@ class PerExampleProbe:
     def small(self, step: int, scale_sq: torch.Tensor | float) -> tuple[torch.Tensor, int] | None:
         inputs, targets = self.inputs, self.targets
         self.inputs, self.targets = [], []
+        if self.every is None:  # from the first step's rows: the same period every run (reproducible)
+            by_rows = max(PER_EXAMPLE_MIN_EVERY, math.ceil(PER_EXAMPLE_ROWS_BETWEEN / sum(x.shape[0] for x in inputs)))
+            self.every = min(PER_EXAMPLE_EVERY, by_rows)
         if step % self.every:
             return None
         x, y = torch.cat(inputs)[:PER_EXAMPLE_ROWS], torch.cat(targets)[:PER_EXAMPLE_ROWS]  # rows are shuffled
