@@ -34,6 +34,11 @@ def test_real_params_yaml_loads_with_every_section() -> None:
         ({"sweep": {"batch_sizes": [32, 32]}}, "sweep.batch_sizes has duplicates: [32, 32]"),
         ({"sweep": {"batch_sizes": [0, 32]}}, "sweep.batch_sizes.0: Input should be greater than 0"),
         ({"data": {"source": "csv"}}, "data.csv_path is required"),
+        ({"sweep": {"lr_multipliers": []}}, "sweep.lr_multipliers must be a non-empty list of distinct positive"),
+        ({"sweep": {"lr_multipliers": [0.5, -1]}}, "sweep.lr_multipliers must be a non-empty list"),
+        ({"sweep": {"memory_budget_mb": 0}}, "sweep.memory_budget_mb: Input should be greater than 0, got 0"),
+        ({"sweep": {"target_val_loss": -0.1}}, "sweep.target_val_loss: Input should be greater than 0"),
+        ({"train": {"eval_every_steps": -1}}, "train.eval_every_steps: Input should be greater than or equal to 0"),
     ],
 )
 def test_bad_values_give_one_line_error_naming_the_key(override: dict, message: str) -> None:

@@ -84,6 +84,21 @@ def test_sweep_records_parent_children_and_report(workdir: Path) -> None:
     assert sorted(logged["batch_size"]) == [16, 32, 64] and "steps_to_target_mean" in logged.columns
 
 
+def test_lr_multipliers_run_each_batch_size_at_each_lr_and_keep_the_best(workdir: Path) -> None:
+    cfg = tiny_config(sweep={"batch_sizes": [16, 64], "lr_multipliers": [0.25, 1, 4]})
+    stages.generate(cfg, stages.Paths(workdir))
+    summary = sweep.run_sweep(cfg, stages.Paths(workdir))
+    names = sorted(p.name for p in (workdir / "sweep/experiments").iterdir())
+    assert names == sorted(f"bs{b}{m}-seed0" for b in (16, 64) for m in ("-lrx0.25", "", "-lrx4"))
+    results = [json.loads(p.read_text()) for p in (workdir / "sweep/experiments").glob("*/result.json")]
+    for batch in (16, 64):
+        mine = [r for r in results if r["batch_size"] == batch]
+        best = min(mine, key=lambda r: min(r["curve_val_loss"]))
+        row = next(r for r in atomic.read_csv(workdir / "reports/sweep/summary.csv") if int(r["batch_size"]) == batch)
+        assert float(row["lr_multiplier"]) == best["lr_multiplier"] and float(row["lr"]) == pytest.approx(best["lr"])
+    assert "Learning rate kept per batch size" in summary["markdown"]
+
+
 def test_experiments_differ_only_in_batch_size_and_lr() -> None:
     cfg = tiny_config(train={"early_stopping_patience": 3}, sweep={"lr_scaling": "linear"})
     configs = [sweep.experiment_config(cfg, e) for e in sweep.plan(cfg, n_train=420)]
@@ -138,6 +153,9 @@ def test_killed_sweep_resumes_without_redoing_finished_experiments_and_counts_bo
     results = [json.loads(p.read_text()) for p in (tmp_path / "sweep/experiments").glob("*/result.json")]
     written = json.loads((tmp_path / "reports/sweep/sweep.json").read_text())
     assert written["sum_train_seconds"] == pytest.approx(sum(r["train_seconds"] for r in results))
+    totals = client.get_run(parent).data.metrics  # the resumed parent run holds both attempts' totals
+    assert totals["sum_train_seconds"] == pytest.approx(written["sum_train_seconds"])
+    assert totals["sweep_wall_seconds"] == pytest.approx(written["sweep_wall_seconds"])
     # one experiment at a time: the wall time of both attempts covers each experiment's own time
     assert written["sweep_wall_seconds"] >= sum(r["train_seconds"] + r["overhead_seconds"] for r in results)
 
