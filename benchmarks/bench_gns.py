@@ -1,34 +1,32 @@
 """What measuring the gradient noise scale costs: fit() with train.gns on vs off, one process.
 
-The params.yaml model (MLP [64, 64], dropout 0.1, AdamW) on 1 thread at batch 16, 64 and 512.
+The params.yaml model (MLP [64, 64], dropout 0.1, AdamW) on 1 thread at batch 16, 64, 256 and 512.
 On one process without accumulation B_simple comes from per-example gradients (torch.func
 vmap(grad) over up to gns.PER_EXAMPLE_ROWS of the step's rows). Every step that would cost
 several steps' time (a fixed ~1 ms of functorch dispatch on this small model), so fit()
-measures every gns.PER_EXAMPLE_EVERY-th step; the "every step" rows show why. Accumulation
+measures every gns.PER_EXAMPLE_EVERY-th step, or every gns.PER_EXAMPLE_ROWS_BETWEEN rows when
+that is more often; the "every step" rows show why. Accumulation
 (micro-batches vs the batch) measures every gns.MICRO_BATCH_EVERY-th step. Variants run interleaved, the median of
 REPEATS is kept, and the load average is recorded: a neighbour's load hits all variants alike.
 
-    python benchmarks/bench_gns.py    # prints the table, saves benchmarks/gns_results.json
+    python benchmarks/run_all.py --only gns    # or `make bench`: results.json and the README tables
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from batchlab import atomic, gns
+from batchlab import gns
 from batchlab.config import Config, load_config
 from batchlab.data import Dataset, build
 from batchlab.strategy import Strategy
 from batchlab.train import fit
-from common import REPO, Table, markdown, progress
+from common import REPO, Table, progress
 
 BATCH_SIZES = (16, 64, 256, 512)
 EPOCHS = 3
@@ -104,11 +102,4 @@ def main() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    load = os.getloadavg()[0]
-    outcome = main()
-    result = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "load_average_before": load,
-              "load_average_after": os.getloadavg()[0], "cpu_count": os.cpu_count(), "torch": torch.__version__,
-              **outcome}  # fmt: skip
-    atomic.write_json(RESULTS, result)
-    print(f"_load average {load:.2f} at start, {result['load_average_after']:.2f} at end_\n", file=sys.stdout)
-    print(markdown(outcome["tables"]))
+    main()
