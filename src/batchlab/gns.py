@@ -20,7 +20,7 @@ accumulation, and a DDP communication hook (each rank's gradient vs the all-redu
 
 Cost (benchmarks/bench_gns.py, MLP [64, 64], 1 CPU thread): vmap(grad) costs a fixed ~1.5 ms
 a call, 4-5 steps' time at batch 16-64, so the per-example probe measures every 100th step at
-small batches and every 3200 rows at large ones (batch 512: every 7th step); every step would
+small batches and every 12800 rows at large ones (batch 512: every 25th step); every step would
 be +400%. The micro-batch probe measures every 4th step; the DDP hook every
 step (its extra element rides on the all-reduce it replaces).
 """
@@ -54,10 +54,11 @@ PER_EXAMPLE_ROWS = 32
 # a neighbour's load); the micro-batch probe's two ops per micro-batch cost ~15% of a small
 # accumulated step when run every step (6-11% every 2nd step, under load)
 PER_EXAMPLE_EVERY = 100
-# ...but a large batch's step costs several small ones, and a short run at batch 512 has only
-# ~100 steps: measure once per this many trained rows instead when that is more often (batch
-# 64: every 50th step, 512: every 7th), never more often than every PER_EXAMPLE_MIN_EVERY-th
-PER_EXAMPLE_ROWS_BETWEEN = 3200
+# ...but a short run at a large batch has few steps (batch 512, 20 epochs of 2800 rows: 100):
+# measure once per this many trained rows instead when that is more often (batch 256: every
+# 50th step, 512: every 25th), never more often than every PER_EXAMPLE_MIN_EVERY-th. The probe
+# costs ~1.8 ms there, 1.3x a batch-512 step: every 25th keeps it near 5% (bench_gns)
+PER_EXAMPLE_ROWS_BETWEEN = 12800
 PER_EXAMPLE_MIN_EVERY = 5
 MICRO_BATCH_EVERY = 4
 
