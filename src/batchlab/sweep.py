@@ -104,6 +104,21 @@ def _floats(rows: list[dict[str, str]], key: str) -> list[float]:
     return [float(row[key]) if row.get(key) not in (None, "") else math.nan for row in rows]
 
 
+# a child run's own figures, under keys of their own (`summary.*`): logged under the per-epoch
+# names, the runs table would show them as the last epoch's value
+SUMMARY = {
+    "summary.test_f1_macro": "test_f1_macro",
+    "summary.test_accuracy": "test_accuracy",
+    "summary.samples_per_s_median": "samples_per_s",
+    "summary.epoch_seconds_median": "epoch_seconds",
+    "summary.train_seconds": "train_seconds",
+    "summary.step_memory_mib": "step_memory_mib",
+    "summary.peak_rss_mib": "peak_rss_mib",
+    "summary.grad_norm_mean": "grad_norm_mean",
+    "summary.gns_b_simple": "gns_b_simple",
+}
+
+
 def _train_and_score(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
     """Train and test one experiment in its own folder; returns its result row."""
     started = time.perf_counter()
@@ -149,21 +164,6 @@ def _train_and_score(cfg: Config, exp: Experiment, paths: stages.Paths, parent_r
     atomic.write_json(out / "result.json", result)
     log.info("sweep: %s f1 %.4f, %.0f samples/s", exp.name, result["test_f1_macro"], result["samples_per_s"])
     return result
-
-
-# a child run's own figures, under keys of their own (`summary.*`): logged under the per-epoch
-# names, the runs table would show them as the last epoch's value
-SUMMARY = {
-    "summary.test_f1_macro": "test_f1_macro",
-    "summary.test_accuracy": "test_accuracy",
-    "summary.samples_per_s_median": "samples_per_s",
-    "summary.epoch_seconds_median": "epoch_seconds",
-    "summary.train_seconds": "train_seconds",
-    "summary.step_memory_mib": "step_memory_mib",
-    "summary.peak_rss_mib": "peak_rss_mib",
-    "summary.grad_norm_mean": "grad_norm_mean",
-    "summary.gns_b_simple": "gns_b_simple",
-}
 
 
 def _finished(path: Path, expected: str) -> dict[str, Any] | None:
