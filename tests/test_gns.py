@@ -237,3 +237,12 @@ def test_ddp_noise_scale_agrees_with_single_process(repo_copy: Path, monkeypatch
     _assert_finite_positive(ddp)
     for key in GNS_KEYS:
         assert 0.5 < ddp[key] / single[key] < 2.0, (key, ddp[key], single[key])
+
+
+@pytest.mark.parametrize(("batch", "every"), [(16, 100), (64, 100), (256, 50), (512, 25), (4096, 5)])
+def test_per_example_period_follows_the_rows_a_step_trains(batch: int, every: int) -> None:
+    model = torch.nn.Linear(4, 2)
+    probe = gns.PerExampleProbe(model, torch.nn.functional.cross_entropy)
+    probe.after_backward(1, torch.randn(batch, 4), torch.randint(2, (batch,)))
+    probe.small(1, 1.0)
+    assert probe.every == every  # the same period every run: the measured steps are reproducible
