@@ -157,7 +157,7 @@ def test_sweep_flow_runs_one_task_per_experiment_then_none_on_rerun(root: Path) 
     parent = [r for r in runs if r.data.tags.get("sweep") == "parent"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id]
     assert len(parent) == 1 and len(children) == 3
-    assert "Best F1: batch" in _artifact("batchlab-sweep")
+    assert "## Verdict" in _artifact("batchlab-sweep") and "Recommended: batch" in _artifact("batchlab-sweep")
     assert (root / "reports/sweep/summary.md").is_file()
 
     reports = {p.name: p.read_bytes() for p in (root / "reports/sweep").iterdir()}
