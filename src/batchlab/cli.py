@@ -51,6 +51,13 @@ COMMANDS = {
         "(the headline figures), CSVs and "
         "plots; one MLflow parent run and a child run per experiment.",
     ),
+    "predict": (
+        "predict raw feature rows with an ONNX model, through onnxruntime only",
+        "Reads --model (an ONNX file such as models/model.onnx, which carries the scaler, or an MLflow URI: "
+        "models:/batchlab-mlp@champion, runs:/<id>/predictor; the tracking section says where MLflow is) and "
+        "--input (CSV or Parquet with the dataset's feature columns, or .npy). Writes --output (default stdout): "
+        "a CSV of the other input columns, the predicted class and one proba_<class> column per class.",
+    ),
     "ui-url": (
         "print the MLflow UI address that opens tracking.experiment's runs table (`make ui` prints it)",
         "Reads params.yaml's tracking section and the MLflow store (read only; no mlflow import). Writes nothing.",
@@ -75,6 +82,12 @@ def _options(parser: argparse.ArgumentParser, defaults: bool) -> None:
     )
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="batchlab",
@@ -86,6 +99,13 @@ def _parser() -> argparse.ArgumentParser:
     for name, (summary, files) in COMMANDS.items():
         command = sub.add_parser(name, help=summary, description=f"{summary[0].upper()}{summary[1:]}. {files}")
         _options(command, defaults=False)
+        if name == "predict":
+            command.add_argument("--model", required=True, help="ONNX file or MLflow model URI")
+            command.add_argument("--input", required=True, type=Path, help=".csv, .parquet or .npy of raw features")
+            command.add_argument("--output", type=Path, default=None, help="CSV to write (default: stdout)")
+            command.add_argument(
+                "--chunk-rows", type=_positive, default=65_536, help="rows read and predicted at a time"
+            )
         if name == "ui-url":
             command.add_argument("--store", default="sqlite:///mlflow.db", help="the MLflow store `mlflow ui` reads")
             command.add_argument("--port", type=int, default=5000, help="the port `mlflow ui` listens on")
@@ -138,6 +158,9 @@ def ui_url(port: int, experiment: str | None) -> str:
 def run(args: argparse.Namespace) -> None:
     from batchlab.config import load_config
 
+    if args.stage == "predict":  # onnxruntime only: no torch; a local ONNX file needs no params.yaml
+        _predict(args)
+        return
     cfg = load_config(args.params)
     if args.stage == "validate":  # runs on every params change: no torch, no mlflow
         from batchlab.validate import validate
@@ -167,6 +190,26 @@ def run(args: argparse.Namespace) -> None:
         stages.export(cfg, paths)
     elif args.stage == "sweep":
         print(stages.sweep(cfg, paths)["markdown"])  # the trade-off table, for the person who ran it
+
+
+def _predict(args: argparse.Namespace) -> None:
+    from batchlab import predict
+
+    tracking_uri = None
+    if predict.is_mlflow_uri(args.model):
+        from batchlab.config import load_config
+        from batchlab.tracking import quiet_mlflow, resolve_uri
+
+        tracking_uri = resolve_uri(load_config(args.params).tracking)
+        quiet_mlflow()
+    model = predict.load(args.model, tracking_uri)
+    try:
+        rows = predict.predict_file(model, args.input, args.output, args.chunk_rows)
+    except BrokenPipeError:  # stdout piped into `head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return
+    if args.output is not None:
+        logging.getLogger("batchlab").info("predict: %d rows -> %s", rows, args.output)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -194,6 +194,11 @@ def evaluate(cfg: Config, paths: Paths = Paths()) -> dict[str, float]:
 
 
 def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
+    import numpy as np
+
+    from batchlab import predict
+    from batchlab.tracking import pyfunc
+
     dataset = data.load(paths.data)
     model, _ = load_model(paths.model)
     run_id = _run_info(paths).get("run_id")
@@ -204,6 +209,9 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
         except onnx.ParityError:
             paths.onnx.unlink(missing_ok=True)  # a model that disagrees with torch is not an output
             raise
+        # the scaler, feature and class names travel in the file: `batchlab predict` takes raw rows
+        prep = predict.Preprocessing.from_dataset_json(paths.data / "dataset.json")
+        predict.attach_preprocessing(paths.onnx, prep)
         export_report: dict[str, Any] = {
             "opset": cfg.export.opset,
             "atol": cfg.export.atol,
@@ -223,6 +231,8 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
         )
         tracker.log_artifact(paths.reports / "export.json", "export")
         tracker.log_onnx_model(paths.onnx)
+        raw_rows = dataset.test.x[:5] * np.asarray(prep.std) + np.asarray(prep.mean)  # unscaled: the input example
+        pyfunc.log_predictor(tracker, paths.onnx, raw_rows)
     log.info("export: %s, max |onnx - torch| = %.2e", paths.onnx, export_report["max_abs_diff"])
     return export_report
 
