@@ -58,6 +58,11 @@ COMMANDS = {
         "--input (CSV or Parquet with the dataset's feature columns, or .npy). Writes --output (default stdout): "
         "a CSV of the other input columns, the predicted class and one proba_<class> column per class.",
     ),
+    "verify": (
+        "re-hash DVC's outputs and cache and the current MLflow run's models; name each mismatch (exit 1)",
+        "Reads dvc.lock (and *.dvc files), the workspace outputs, the DVC cache, reports/train.json and, "
+        "through the tracking section, that run's models and the digests export recorded. Writes nothing.",
+    ),
     "ui-url": (
         "print the MLflow UI address that opens tracking.experiment's runs table (`make ui` prints it)",
         "Reads params.yaml's tracking section and the MLflow store (read only; no mlflow import). Writes nothing.",
@@ -167,6 +172,11 @@ def run(args: argparse.Namespace) -> None:
 
         validate(cfg)
         return
+    if args.stage == "verify":
+        from batchlab.tracking import resolve_uri
+
+        _verify(args.out or Path("."), resolve_uri(cfg.tracking) if cfg.tracking.enabled else None)
+        return
     if args.stage == "ui-url":
         print(ui_url(args.port, experiment_id(args.store, cfg.tracking.experiment)))
         return
@@ -210,6 +220,23 @@ def _predict(args: argparse.Namespace) -> None:
         return
     if args.output is not None:
         logging.getLogger("batchlab").info("predict: %d rows -> %s", rows, args.output)
+
+
+def _verify(outputs: Path, tracking_uri: str | None) -> None:
+    """The DVC repo here; the MLflow run of `outputs`/reports/train.json."""
+    import json
+
+    from batchlab import verify
+    from batchlab.tracking import quiet_mlflow
+
+    info = outputs / "reports" / "train.json"
+    run_id = json.loads(info.read_text()).get("run_id") if info.is_file() else None
+    if tracking_uri and run_id:
+        quiet_mlflow()
+    report = verify.verify(Path("."), run_id, tracking_uri)
+    print("\n".join(report.lines()))
+    if report.mismatches:
+        raise verify.IntegrityError(f"{len(report.mismatches)} files differ from their recorded hashes (above)")
 
 
 def main(argv: list[str] | None = None) -> int:

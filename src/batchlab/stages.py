@@ -197,7 +197,7 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
     import numpy as np
 
     from batchlab import predict
-    from batchlab.tracking import pyfunc
+    from batchlab.tracking import digests, pyfunc
 
     dataset = data.load(paths.data)
     model, _ = load_model(paths.model)
@@ -233,6 +233,7 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
         tracker.log_onnx_model(paths.onnx)
         raw_rows = dataset.test.x[:5] * np.asarray(prep.std) + np.asarray(prep.mean)  # unscaled: the input example
         pyfunc.log_predictor(tracker, paths.onnx, raw_rows)
+        digests.record(tracker)  # every model of the run, train's included: `batchlab verify` checks them
     log.info("export: %s, max |onnx - torch| = %.2e", paths.onnx, export_report["max_abs_diff"])
     return export_report
 
