@@ -196,7 +196,7 @@ def evaluate(cfg: Config, paths: Paths = Paths()) -> dict[str, float]:
 def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
     import numpy as np
 
-    from batchlab import predict
+    from batchlab import predict, quantize
     from batchlab.tracking import digests, pyfunc
 
     dataset = data.load(paths.data)
@@ -220,6 +220,9 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
             "max_abs_diff": max(p.max_abs_diff for p in parity),
             "latency": onnx.latency_us(model, paths.onnx, dataset.test.x),
         }
+        int8 = quantize.quantize_gated(paths.onnx, cfg.export, dataset)
+        if int8 is not None:
+            export_report["quantize"] = int8
         atomic.write_json(paths.reports / "export.json", export_report)
         latency = {f"export_{k}": v for k, v in export_report["latency"].items()}
         tracker.log_metrics(
@@ -230,6 +233,11 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
             }
         )
         tracker.log_artifact(paths.reports / "export.json", "export")
+        if int8 is not None:
+            tracker.log_metrics({"int8_file_bytes": int8["int8_bytes"], "int8_f1_drop": int8["f1_drop"],
+                                 "int8_onnxruntime_batch1_us": int8["latency_us"]["int8_batch1"],
+                                 "int8_onnxruntime_full_us": int8["latency_us"]["int8_full"]})  # fmt: skip
+            tracker.log_artifact(int8["file"], "export")
         tracker.log_onnx_model(paths.onnx)
         raw_rows = dataset.test.x[:5] * np.asarray(prep.std) + np.asarray(prep.mean)  # unscaled: the input example
         pyfunc.log_predictor(tracker, paths.onnx, raw_rows)
