@@ -58,6 +58,12 @@ COMMANDS = {
         "--input (CSV or Parquet with the dataset's feature columns, or .npy). Writes --output (default stdout): "
         "a CSV of the other input columns, the predicted class and one proba_<class> column per class.",
     ),
+    "reproduce": (
+        "rebuild a tracked run from its record (commit, params, DVC data) and compare metrics and weights",
+        "Reads the run (tracking section) and this git repo and DVC cache; rebuilds in a temporary git worktree "
+        "at the run's commit (dvc repro generate, then train and evaluate). Prints `identical` (exit 0) or a "
+        "table of what differs (exit 1); refuses a run made from a dirty tree (exit 2). Writes nothing here.",
+    ),
     "verify": (
         "re-hash DVC's outputs and cache and the current MLflow run's models; name each mismatch (exit 1)",
         "Reads dvc.lock (and *.dvc files), the workspace outputs, the DVC cache, reports/train.json and, "
@@ -111,6 +117,8 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument(
                 "--chunk-rows", type=_positive, default=65_536, help="rows read and predicted at a time"
             )
+        if name == "reproduce":
+            command.add_argument("run_id", metavar="RUN_ID", help="the MLflow run to rebuild (reports/train.json)")
         if name == "ui-url":
             command.add_argument("--store", default="sqlite:///mlflow.db", help="the MLflow store `mlflow ui` reads")
             command.add_argument("--port", type=int, default=5000, help="the port `mlflow ui` listens on")
@@ -171,6 +179,16 @@ def run(args: argparse.Namespace) -> None:
         from batchlab.validate import validate
 
         validate(cfg)
+        return
+    if args.stage == "reproduce":
+        from batchlab import reproduce
+        from batchlab.tracking import quiet_mlflow, resolve_uri
+
+        quiet_mlflow()
+        text, identical = reproduce.reproduce(args.run_id, resolve_uri(cfg.tracking))
+        print(text)
+        if not identical:
+            raise reproduce.Differs(f"run {args.run_id} did not reproduce (the table above says where)")
         return
     if args.stage == "verify":
         from batchlab.tracking import resolve_uri

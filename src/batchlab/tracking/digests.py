@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 from batchlab.tracking.backend import retry_locked
 from batchlab.tracking.base import Tracker
 from batchlab.tracking.mlflow_tracker import MlflowTracker
+from batchlab.tracking.record import download
 
 DIGEST_TAG = "batchlab.sha256"  # JSON {file path in the model: sha256}
 
@@ -38,13 +38,8 @@ def _models(client: Any, run_id: str) -> list[Any]:
 
 
 def _file_digests(artifact_location: str, tracking_uri: str) -> dict[str, str]:
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    import mlflow
-
     with tempfile.TemporaryDirectory(prefix="batchlab-digests-") as tmp:
-        local = Path(
-            mlflow.artifacts.download_artifacts(artifact_uri=artifact_location, dst_path=tmp, tracking_uri=tracking_uri)
-        )
+        local = download(artifact_location, tmp, tracking_uri)
         return {p.relative_to(local).as_posix(): sha256(p) for p in sorted(local.rglob("*")) if p.is_file()}
 
 

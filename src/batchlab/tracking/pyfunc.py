@@ -13,6 +13,7 @@ import numpy as np
 from batchlab.data import DataError
 from batchlab.tracking.base import Tracker
 from batchlab.tracking.mlflow_tracker import MlflowTracker, _active
+from batchlab.tracking.record import download
 
 PREDICTOR = "predictor"  # the logged model's name in the run
 CODE = Path(__file__).with_name("onnx_predictor.py")
@@ -60,7 +61,6 @@ def onnx_file(uri: str, tracking_uri: str | None) -> Iterator[Path]:
     An ONNX or predictor model is used as it is; any other model of a batchlab run (the registry's
     champion is the torch model train logged) stands for the predictor logged in the same run.
     """
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     import mlflow
     from mlflow.exceptions import MlflowException
 
@@ -71,7 +71,7 @@ def onnx_file(uri: str, tracking_uri: str | None) -> Iterator[Path]:
         if "onnx" not in info.flavors and info.name != PREDICTOR:
             uri = _predictor_of(info.run_id, uri)
         with tempfile.TemporaryDirectory(prefix="batchlab-predict-") as tmp:
-            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=tmp))
+            local = download(uri, tmp)
             found = sorted(local.rglob("*.onnx"))
             if not found:
                 raise DataError(f"{uri} holds no ONNX file")
