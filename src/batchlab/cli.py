@@ -62,7 +62,8 @@ COMMANDS = {
         "rebuild a tracked run from its record (commit, params, DVC data) and compare metrics and weights",
         "Reads the run (tracking section) and this git repo and DVC cache; rebuilds in a temporary git worktree "
         "at the run's commit (dvc repro generate, then train and evaluate). Prints `identical` (exit 0) or a "
-        "table of what differs (exit 1); refuses a run made from a dirty tree (exit 2). Writes nothing here.",
+        "table of what differs (exit 1); refuses a run made from a dirty tree (exit 2). Writes only new DVC cache "
+        "entries here.",
     ),
     "verify": (
         "re-hash DVC's outputs and cache and the current MLflow run's models; name each mismatch (exit 1)",

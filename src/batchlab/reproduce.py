@@ -200,7 +200,11 @@ def reproduce(run_id: str, tracking_uri: str, repo: Path = Path(".")) -> tuple[s
     repo = Path(_git(repo, "rev-parse", "--show-toplevel").strip())
     record = run_record(run_id, tracking_uri)
     commit = check_record(record, repo)
-    params = rebuild_params(record, _git(repo, "show", f"{commit}:params.yaml"))
+    try:
+        committed = _git(repo, "show", f"{commit}:params.yaml")
+    except subprocess.CalledProcessError:
+        raise CannotReproduce(f"run {run_id}: commit {commit[:12]} has no params.yaml") from None
+    params = rebuild_params(record, committed)
     weights = torch_weights(record, tracking_uri)
     with worktree(repo, commit) as tree:
         rebuild(tree, repo, params)
