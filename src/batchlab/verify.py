@@ -35,11 +35,8 @@ class Report:
 
 
 def md5(path: Path) -> str:
-    digest = hashlib.md5()
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "md5").hexdigest()
 
 
 def dir_hash(entries: dict[str, str]) -> str:

@@ -11,30 +11,18 @@ import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from batchlab.tracking.backend import retry_locked
 from batchlab.tracking.base import Tracker
 from batchlab.tracking.mlflow_tracker import MlflowTracker
-from batchlab.tracking.record import download
+from batchlab.tracking.record import download, run_models
 
 DIGEST_TAG = "batchlab.sha256"  # JSON {file path in the model: sha256}
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _models(client: Any, run_id: str) -> list[Any]:
-    run = retry_locked(client.get_run, run_id)
-    found = client.search_logged_models(
-        experiment_ids=[run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'"
-    )
-    return sorted(found, key=lambda m: (m.name, m.creation_timestamp))
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _file_digests(artifact_location: str, tracking_uri: str) -> dict[str, str]:
@@ -49,7 +37,7 @@ def record(tracker: Tracker) -> None:
         return
 
     def tag_all() -> None:
-        for model in _models(tracker.client, tracker.run_id):
+        for model in run_models(tracker.client, tracker.run_id):
             if DIGEST_TAG not in model.tags:  # recorded once: recording again would bless a change
                 digests = json.dumps(_file_digests(model.artifact_location, tracker.uri), sort_keys=True)
                 retry_locked(tracker.client.set_logged_model_tags, model.model_id, {DIGEST_TAG: digests})
@@ -70,7 +58,7 @@ def check(run_id: str, tracking_uri: str) -> Check:
 
     client = MlflowClient(tracking_uri)
     result = Check()
-    for model in _models(client, run_id):
+    for model in run_models(client, run_id):
         label = f"MLflow model {model.name!r} ({model.model_id}) of run {run_id}"
         if DIGEST_TAG not in model.tags:
             result.unrecorded.append(label)

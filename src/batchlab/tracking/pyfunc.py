@@ -13,7 +13,7 @@ import numpy as np
 from batchlab.data import DataError
 from batchlab.tracking.base import Tracker
 from batchlab.tracking.mlflow_tracker import MlflowTracker, _active
-from batchlab.tracking.record import download
+from batchlab.tracking.record import download, run_models
 
 PREDICTOR = "predictor"  # the logged model's name in the run
 CODE = Path(__file__).with_name("onnx_predictor.py")
@@ -86,14 +86,8 @@ def _predictor_of(run_id: str | None, uri: str) -> str:
     client = mlflow.MlflowClient()
     if run_id is None:
         raise DataError(f"{uri} was not logged by a run; give the ONNX model's path or a runs:/ URI")
-    run = client.get_run(run_id)
-    found = client.search_logged_models(
-        experiment_ids=[run.info.experiment_id],
-        filter_string=f"source_run_id = '{run_id}' AND name = '{PREDICTOR}'",
-        order_by=[{"field_name": "creation_time", "ascending": False}],
-        max_results=1,
-    )
+    found = run_models(client, run_id, PREDICTOR)
     if not found:
         raise DataError(f"{uri} is not an ONNX model and its run {run_id} has no {PREDICTOR!r} model; "
                         "run `batchlab export` for that run")  # fmt: skip
-    return f"models:/{found[0].model_id}"
+    return f"models:/{found[-1].model_id}"

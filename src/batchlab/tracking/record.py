@@ -7,7 +7,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from batchlab.data import DataError
 from batchlab.tracking.backend import retry_locked
@@ -26,6 +26,14 @@ def download(artifact_uri: str, dst: str | Path, tracking_uri: str | None = None
     return Path(
         mlflow.artifacts.download_artifacts(artifact_uri=artifact_uri, dst_path=str(dst), tracking_uri=tracking_uri)
     )
+
+
+def run_models(client: Any, run_id: str, name: str | None = None) -> list[Any]:
+    """The models a run logged (MLflow 3 LoggedModels), `name`d ones only if given, oldest first."""
+    run = retry_locked(client.get_run, run_id)
+    where = f"source_run_id = '{run_id}'" + (f" AND name = '{name}'" if name else "")
+    found = client.search_logged_models(experiment_ids=[run.info.experiment_id], filter_string=where)
+    return sorted(found, key=lambda m: (m.name, m.creation_timestamp))
 
 
 @dataclass(frozen=True)
