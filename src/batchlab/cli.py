@@ -51,6 +51,25 @@ COMMANDS = {
         "(the headline figures), CSVs and "
         "plots; one MLflow parent run and a child run per experiment.",
     ),
+    "predict": (
+        "predict raw feature rows with an ONNX model, through onnxruntime only",
+        "Reads --model (an ONNX file such as models/model.onnx, which carries the scaler, or an MLflow URI: "
+        "models:/batchlab-mlp@champion, runs:/<id>/predictor; the tracking section says where MLflow is) and "
+        "--input (CSV or Parquet with the dataset's feature columns, or .npy). Writes --output (default stdout): "
+        "a CSV of the other input columns, the predicted class and one proba_<class> column per class.",
+    ),
+    "reproduce": (
+        "rebuild a tracked run from its record (commit, params, DVC data) and compare metrics and weights",
+        "Reads the run (tracking section) and this git repo and DVC cache; rebuilds in a temporary git worktree "
+        "at the run's commit (dvc repro generate, then train and evaluate). Prints `identical` (exit 0) or a "
+        "table of what differs (exit 1); refuses a run made from a dirty tree (exit 2). Writes only new DVC cache "
+        "entries here.",
+    ),
+    "verify": (
+        "re-hash DVC's outputs and cache and the current MLflow run's models; name each mismatch (exit 1)",
+        "Reads dvc.lock (and *.dvc files), the workspace outputs, the DVC cache, reports/train.json and, "
+        "through the tracking section, that run's models and the digests export recorded. Writes nothing.",
+    ),
     "ui-url": (
         "print the MLflow UI address that opens tracking.experiment's runs table (`make ui` prints it)",
         "Reads params.yaml's tracking section and the MLflow store (read only; no mlflow import). Writes nothing.",
@@ -75,6 +94,12 @@ def _options(parser: argparse.ArgumentParser, defaults: bool) -> None:
     )
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="batchlab",
@@ -86,6 +111,15 @@ def _parser() -> argparse.ArgumentParser:
     for name, (summary, files) in COMMANDS.items():
         command = sub.add_parser(name, help=summary, description=f"{summary[0].upper()}{summary[1:]}. {files}")
         _options(command, defaults=False)
+        if name == "predict":
+            command.add_argument("--model", required=True, help="ONNX file or MLflow model URI")
+            command.add_argument("--input", required=True, type=Path, help=".csv, .parquet or .npy of raw features")
+            command.add_argument("--output", type=Path, default=None, help="CSV to write (default: stdout)")
+            command.add_argument(
+                "--chunk-rows", type=_positive, default=65_536, help="rows read and predicted at a time"
+            )
+        if name == "reproduce":
+            command.add_argument("run_id", metavar="RUN_ID", help="the MLflow run to rebuild (reports/train.json)")
         if name == "ui-url":
             command.add_argument("--store", default="sqlite:///mlflow.db", help="the MLflow store `mlflow ui` reads")
             command.add_argument("--port", type=int, default=5000, help="the port `mlflow ui` listens on")
@@ -138,11 +172,29 @@ def ui_url(port: int, experiment: str | None) -> str:
 def run(args: argparse.Namespace) -> None:
     from batchlab.config import load_config
 
+    if args.stage == "predict":  # onnxruntime only: no torch; a local ONNX file needs no params.yaml
+        _predict(args)
+        return
     cfg = load_config(args.params)
     if args.stage == "validate":  # runs on every params change: no torch, no mlflow
         from batchlab.validate import validate
 
         validate(cfg)
+        return
+    if args.stage == "reproduce":
+        from batchlab import reproduce
+        from batchlab.tracking import quiet_mlflow, resolve_uri
+
+        quiet_mlflow()
+        text, identical = reproduce.reproduce(args.run_id, resolve_uri(cfg.tracking))
+        print(text)
+        if not identical:
+            raise reproduce.Differs(f"run {args.run_id} did not reproduce (the table above says where)")
+        return
+    if args.stage == "verify":
+        from batchlab.tracking import resolve_uri
+
+        _verify(args.out or Path("."), resolve_uri(cfg.tracking) if cfg.tracking.enabled else None)
         return
     if args.stage == "ui-url":
         print(ui_url(args.port, experiment_id(args.store, cfg.tracking.experiment)))
@@ -167,6 +219,43 @@ def run(args: argparse.Namespace) -> None:
         stages.export(cfg, paths)
     elif args.stage == "sweep":
         print(stages.sweep(cfg, paths)["markdown"])  # the trade-off table, for the person who ran it
+
+
+def _predict(args: argparse.Namespace) -> None:
+    from batchlab import predict
+
+    tracking_uri = None
+    if predict.is_mlflow_uri(args.model):
+        from batchlab.config import load_config
+        from batchlab.tracking import quiet_mlflow, resolve_uri
+
+        tracking_uri = resolve_uri(load_config(args.params).tracking)
+        quiet_mlflow()
+    model = predict.load(args.model, tracking_uri)
+    try:
+        rows = predict.predict_file(model, args.input, args.output, args.chunk_rows)
+    except BrokenPipeError:  # stdout piped into `head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return
+    if args.output is not None:
+        logging.getLogger("batchlab").info("predict: %d rows -> %s", rows, args.output)
+
+
+def _verify(outputs: Path, tracking_uri: str | None) -> None:
+    """The DVC repo here; the MLflow run of `outputs`/reports/train.json."""
+    import json
+
+    from batchlab import verify
+    from batchlab.tracking import quiet_mlflow
+
+    info = outputs / "reports" / "train.json"
+    run_id = json.loads(info.read_text()).get("run_id") if info.is_file() else None
+    if tracking_uri and run_id:
+        quiet_mlflow()
+    report = verify.verify(Path("."), run_id, tracking_uri)
+    print("\n".join(report.lines()))
+    if report.mismatches:
+        raise verify.IntegrityError(f"{len(report.mismatches)} files differ from their recorded hashes (above)")
 
 
 def main(argv: list[str] | None = None) -> int:

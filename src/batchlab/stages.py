@@ -194,6 +194,11 @@ def evaluate(cfg: Config, paths: Paths = Paths()) -> dict[str, float]:
 
 
 def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
+    import numpy as np
+
+    from batchlab import predict, quantize
+    from batchlab.tracking import digests, pyfunc
+
     dataset = data.load(paths.data)
     model, _ = load_model(paths.model)
     run_id = _run_info(paths).get("run_id")
@@ -204,6 +209,9 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
         except onnx.ParityError:
             paths.onnx.unlink(missing_ok=True)  # a model that disagrees with torch is not an output
             raise
+        # the scaler, feature and class names travel in the file: `batchlab predict` takes raw rows
+        prep = predict.Preprocessing.from_dataset_json(paths.data / "dataset.json")
+        predict.attach_preprocessing(paths.onnx, prep)
         export_report: dict[str, Any] = {
             "opset": cfg.export.opset,
             "atol": cfg.export.atol,
@@ -212,6 +220,9 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
             "max_abs_diff": max(p.max_abs_diff for p in parity),
             "latency": onnx.latency_us(model, paths.onnx, dataset.test.x),
         }
+        int8 = quantize.quantize_gated(paths.onnx, cfg.export, dataset)
+        if int8 is not None:
+            export_report["quantize"] = int8
         atomic.write_json(paths.reports / "export.json", export_report)
         latency = {f"export_{k}": v for k, v in export_report["latency"].items()}
         tracker.log_metrics(
@@ -222,7 +233,15 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
             }
         )
         tracker.log_artifact(paths.reports / "export.json", "export")
+        if int8 is not None:
+            tracker.log_metrics({"int8_file_bytes": int8["int8_bytes"], "int8_f1_drop": int8["f1_drop"],
+                                 "int8_onnxruntime_batch1_us": int8["latency_us"]["int8_batch1"],
+                                 "int8_onnxruntime_full_us": int8["latency_us"]["int8_full"]})  # fmt: skip
+            tracker.log_artifact(int8["file"], "export")
         tracker.log_onnx_model(paths.onnx)
+        raw_rows = dataset.test.x[:5] * np.asarray(prep.std) + np.asarray(prep.mean)  # unscaled: the input example
+        pyfunc.log_predictor(tracker, paths.onnx, raw_rows)
+        digests.record(tracker)  # every model of the run, train's included: `batchlab verify` checks them
     log.info("export: %s, max |onnx - torch| = %.2e", paths.onnx, export_report["max_abs_diff"])
     return export_report
 

@@ -7,6 +7,9 @@
     provenance      git, DVC data hash and host tags
     ownership       which process of which host owns a run
     outage          what happens while the backend is away
+    pyfunc          the `predictor` pyfunc model (onnx_predictor.py, logged as code): logged, fetched for predict
+    digests         sha256 of every file of a run's models, recorded by export, checked by `batchlab verify`
+    record          a run's tags, params, metrics and torch weights, read back for `batchlab reproduce`
 
 `fit` and the stages receive a Tracker and never test a flag.
 """

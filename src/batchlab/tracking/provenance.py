@@ -10,15 +10,37 @@ from pathlib import Path
 
 
 def git_tags() -> dict[str, str]:
+    """The commit, and whether files other than those DVC manages differ from it (`batchlab reproduce`
+    rebuilds only a clean run: its commit is all the code it was made from)."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=10).stdout
 
     try:
         commit = git("rev-parse", "HEAD").strip()
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+        changed = [
+            line[3:].split(" -> ")[-1] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()
+        ]
     except (OSError, subprocess.SubprocessError):
         return {}
+    managed = dvc_managed()
+    dirty = any(not any(path == m or path.startswith(f"{m}/") for m in managed) for path in changed)
     return {"git.commit": commit, "git.dirty": str(dirty).lower()}
+
+
+def dvc_managed(dvc_yaml: str | Path = "dvc.yaml") -> list[str]:
+    """dvc.lock and every output dvc.yaml declares: `dvc repro` rewrites them between stages (the lock,
+    the metrics Git tracks), so their changes say nothing about the code a run was made from."""
+    import yaml
+
+    path = Path(dvc_yaml)
+    if not path.is_file():
+        return []
+    managed = ["dvc.lock"]
+    for stage in ((yaml.safe_load(path.read_text()) or {}).get("stages") or {}).values():
+        for kind in ("outs", "metrics", "plots"):
+            managed += [next(iter(e)) if isinstance(e, dict) else str(e) for e in stage.get(kind) or []]
+    return [m.rstrip("/") for m in managed]
 
 
 def dvc_data_hash(lock_path: str | Path = "dvc.lock", out: str = "data/prepared") -> str | None:

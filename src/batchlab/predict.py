@@ -1,0 +1,231 @@
+"""`batchlab predict`: raw feature rows in, class and probabilities out, through onnxruntime only.
+
+The ONNX model carries what turns raw rows into its input (feature names, the train split's scaler,
+class names) in its metadata, so a model file alone is enough to predict. No torch import here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from batchlab import atomic
+from batchlab.data import DataError
+
+METADATA_KEY = "batchlab.preprocessing"  # the ONNX metadata_props entry; tracking/onnx_predictor.py reads it too
+PREDICTED = "predicted"  # the class column, named as in reports/predictions.csv
+CHUNK_ROWS = 65_536
+
+
+def proba_column(class_name: str) -> str:
+    return f"proba_{class_name}"
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """What a raw row needs before the network: its columns in order, the train split's scaler, and the
+    names of the network's outputs."""
+
+    feature_names: list[str]
+    class_names: list[str]
+    mean: list[float]
+    std: list[float]
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_dataset_json(cls, path: Path) -> Preprocessing:
+        """From data/prepared/dataset.json, which `batchlab generate` writes with the scaler."""
+        meta = json.loads(path.read_text())
+        if "scaler" not in meta:
+            raise DataError(f"{path} holds no scaler; run `batchlab generate` (or `dvc repro generate`)")
+        return cls(meta["feature_names"], meta["class_names"], meta["scaler"]["mean"], meta["scaler"]["std"])
+
+
+def attach_preprocessing(onnx_path: Path, prep: Preprocessing) -> None:
+    """Store `prep` in the ONNX file's metadata (rewritten atomically); the graph is unchanged."""
+    import onnx
+
+    model = onnx.load(str(onnx_path))
+    kept = [p for p in model.metadata_props if p.key != METADATA_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    model.metadata_props.add(key=METADATA_KEY, value=prep.to_json())
+    atomic.write_with(onnx_path, lambda tmp: onnx.save(model, str(tmp)))
+
+
+class OnnxClassifier:
+    """An ONNX model with its preprocessing: raw float rows -> class probabilities."""
+
+    def __init__(self, path: Path) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1  # one core per process; big files are streamed, not parallelised
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as err:  # onnxruntime raises its own types, with multi-line text
+            raise DataError(f"{path} is not an ONNX model onnxruntime can load: {str(err).splitlines()[0]}") from None
+        raw = self.session.get_modelmeta().custom_metadata_map.get(METADATA_KEY)
+        if raw is None:
+            raise DataError(f"{path} holds no batchlab preprocessing (scaler, features, classes); re-export it: "
+                            "`batchlab export` (or `dvc repro export`)")  # fmt: skip
+        self.prep = Preprocessing(**json.loads(raw))
+        self.input_name = self.session.get_inputs()[0].name
+        width = self.session.get_inputs()[0].shape[1]
+        if width != len(self.prep.feature_names):
+            raise DataError(f"{path} takes {width} features but its record names "
+                            f"{len(self.prep.feature_names)}; re-export it")  # fmt: skip
+        self.mean = np.asarray(self.prep.mean, dtype=np.float64)
+        self.std = np.asarray(self.prep.std, dtype=np.float64)
+
+    @property
+    def n_features(self) -> int:
+        return len(self.prep.feature_names)
+
+    def predict_proba(self, raw: np.ndarray) -> np.ndarray:
+        # the same arithmetic as data.build: float64 scaling, then float32
+        x = ((np.asarray(raw, dtype=np.float64) - self.mean) / self.std).astype(np.float32)
+        logits = self.session.run(None, {self.input_name: x})[0].astype(np.float64)
+        e = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return e / e.sum(axis=1, keepdims=True)
+
+    def frame(self, raw: np.ndarray) -> Any:
+        """The output columns of `raw`'s rows: predicted class name, then one probability per class."""
+        import pandas as pd
+
+        proba = self.predict_proba(raw)
+        names = np.asarray(self.prep.class_names, dtype=object)
+        columns = {PREDICTED: names[proba.argmax(axis=1)]}
+        columns |= {proba_column(c): proba[:, i] for i, c in enumerate(self.prep.class_names)}
+        return pd.DataFrame(columns)
+
+
+def _check_finite(x: np.ndarray, columns: list[str], name: str, first_row: int) -> None:
+    bad = ~np.isfinite(x)
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        raise DataError(f"{name}: missing, NaN or infinite value in column {columns[col]!r} (row {first_row + row}); "
+                        "fill or drop those rows first")  # fmt: skip
+
+
+def _table_chunks(frames: Iterator[Any], name: str, model: OnnxClassifier) -> Iterator[tuple[np.ndarray, Any]]:
+    """Feature arrays and the other columns (passed through) of each chunk of a CSV or Parquet table."""
+    import pandas as pd
+
+    features = model.prep.feature_names
+    taken = {PREDICTED, *(proba_column(c) for c in model.prep.class_names)}
+    start = 1
+    for frame in frames:
+        missing = [c for c in features if c not in frame.columns]
+        if missing:
+            raise DataError(f"{name}: missing feature columns {missing}; the model takes {features}")
+        clash = sorted(taken & set(map(str, frame.columns)))
+        if clash:
+            raise DataError(f"{name}: columns {clash} would be overwritten by the output; rename them")
+        for c in features:
+            column = frame[c]
+            if pd.api.types.is_bool_dtype(column) or not pd.api.types.is_numeric_dtype(column):
+                bad = column[pd.to_numeric(column, errors="coerce").isna() & column.notna()]
+                example = (
+                    f" (row {start + int(bad.index[0]) - int(frame.index[0])}: {bad.iloc[0]!r})" if len(bad) else ""
+                )
+                raise DataError(f"{name}: feature column {c!r} is not numeric{example}")
+        x = frame[features].to_numpy(dtype=np.float64)
+        _check_finite(x, features, name, start)
+        yield x, frame.drop(columns=features)
+        start += len(frame)
+
+
+def read_chunks(path: Path, model: OnnxClassifier, chunk_rows: int = CHUNK_ROWS) -> Iterator[tuple[np.ndarray, Any]]:
+    """(features, passed-through columns or None) per chunk of a CSV, Parquet or .npy file, checked."""
+    if not path.is_file():
+        raise DataError(f"input file {str(path)!r} does not exist")
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        import pandas as pd
+
+        try:  # round_trip: the exact float64 a CSV writer printed, as training read it
+            reader = pd.read_csv(path, chunksize=chunk_rows, float_precision="round_trip")
+        except pd.errors.EmptyDataError:
+            raise DataError(f"{path.name} is empty; it needs a header row naming the feature columns") from None
+        with reader:
+            try:
+                yield from _table_chunks(iter(reader), path.name, model)
+            except (pd.errors.ParserError, UnicodeDecodeError) as err:
+                raise DataError(f"{path.name} is not a valid UTF-8 CSV: {str(err).strip().splitlines()[0]}") from None
+    elif suffix in (".parquet", ".pq"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            parquet = pq.ParquetFile(path)
+        except pa.ArrowException as err:
+            raise DataError(f"{path.name} is not a Parquet file: {str(err).splitlines()[0]}") from None
+        batches = (batch.to_pandas() for batch in parquet.iter_batches(batch_size=chunk_rows))
+        yield from _table_chunks(batches, path.name, model)
+    elif suffix == ".npy":
+        try:
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as err:
+            raise DataError(f"{path.name} is not a readable .npy array ({type(err).__name__})") from None
+        if array.ndim != 2 or array.shape[1] != model.n_features:
+            raise DataError(f"{path.name}: shape {array.shape}, but the model takes (rows, {model.n_features}) "
+                            f"features, in this order: {model.prep.feature_names}")  # fmt: skip
+        if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.number):
+            raise DataError(f"{path.name}: {array.dtype} values; features must be numeric")
+        for start in range(0, array.shape[0], chunk_rows):
+            x = np.asarray(array[start : start + chunk_rows], dtype=np.float64)
+            _check_finite(x, model.prep.feature_names, path.name, start + 1)
+            yield x, None
+    else:
+        raise DataError(f"{path.name}: input must be .csv, .parquet or .npy")
+
+
+def _write(model: OnnxClassifier, chunks: Iterator[tuple[np.ndarray, Any]], out: IO[str]) -> int:
+    import pandas as pd
+
+    rows = 0
+    for x, passed in chunks:
+        frame = model.frame(x)
+        if passed is not None:
+            frame = pd.concat([passed.reset_index(drop=True), frame], axis=1)
+        frame.to_csv(out, index=False, header=rows == 0)
+        rows += len(frame)
+    if rows == 0:  # a header-only input still gets the output's header
+        pd.DataFrame(columns=model.frame(np.zeros((0, model.n_features))).columns).to_csv(out, index=False)
+    return rows
+
+
+def predict_file(model: OnnxClassifier, source: Path, output: Path | None, chunk_rows: int = CHUNK_ROWS) -> int:
+    """Predict every row of `source` into `output` (stdout when None), one chunk in memory at a time.
+    A file output appears complete or not at all. Returns the row count."""
+    chunks = read_chunks(source, model, chunk_rows)
+    if output is None:
+        return _write(model, chunks, sys.stdout)
+    with atomic.atomic_path(output) as tmp, tmp.open("w", newline="") as out:
+        return _write(model, chunks, out)
+
+
+def is_mlflow_uri(ref: str) -> bool:
+    return ref.startswith(("models:/", "runs:/")) or "://" in ref
+
+
+def load(ref: str, tracking_uri: str | None = None) -> OnnxClassifier:
+    """An ONNX path, or an MLflow model URI (`models:/batchlab-mlp@champion`, `runs:/<id>/predictor`)."""
+    if is_mlflow_uri(ref):
+        from batchlab.tracking.pyfunc import onnx_file
+
+        with onnx_file(ref, tracking_uri) as path:  # the session holds the model once built
+            return OnnxClassifier(path)
+    path = Path(ref)
+    if not path.is_file():
+        raise DataError(f"no model at {ref!r} (an ONNX file such as models/model.onnx, or an MLflow model URI)")
+    return OnnxClassifier(path)

@@ -1,0 +1,84 @@
+"""`batchlab reproduce RUN_ID`: a run made here rebuilds identically on CPU from its record; a run from a
+dirty tree is refused; a record that disagrees with the rebuild gets a table of what differs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from batchlab.tracking.provenance import git_tags
+from tests.conftest import run, set_params
+
+
+def test_only_code_changes_make_a_tree_dirty_not_what_dvc_repro_rewrites(
+    repo_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(repo_copy)
+    assert git_tags()["git.dirty"] == "false"
+    with (repo_copy / "dvc.lock").open("a") as lock:  # generate rewrote it before train started
+        lock.write("\n")
+    (repo_copy / "reports/metrics.json").write_text("{}\n")  # an output Git tracks (cache: false)
+    assert git_tags()["git.dirty"] == "false"
+    with (repo_copy / "src/batchlab/model.py").open("a") as code:
+        code.write("# an edit not committed\n")
+    assert git_tags()["git.dirty"] == "true"
+
+
+def _store(repo: Path) -> str:
+    return f"sqlite:///{repo / 'mlflow.db'}"
+
+
+def test_a_run_from_a_dirty_tree_or_without_a_commit_is_refused_in_one_line(repo_copy: Path) -> None:
+    set_params(repo_copy, "tracking", enabled=True, tracking_uri=_store(repo_copy))
+    client = MlflowClient(_store(repo_copy))
+    experiment = client.create_experiment("batchlab")
+    commit = run(["git", "rev-parse", "HEAD"], repo_copy).stdout.strip()
+    dirty = client.create_run(experiment, tags={"git.commit": commit, "git.dirty": "true"}).info.run_id
+    untracked = client.create_run(experiment).info.run_id
+    for run_id, message in (
+        (
+            dirty,
+            f"run {dirty} was made from a dirty tree (uncommitted changes at {commit[:12]}); no commit holds its code",
+        ),
+        (untracked, f"run {untracked} has no git.commit tag (made outside a git repo?)"),
+    ):
+        proc = run(["batchlab", "reproduce", run_id], repo_copy, check=False)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"batchlab: error: {message}"]
+
+
+@pytest.mark.slow
+def test_a_run_made_here_reproduces_identically_and_a_differing_record_gets_a_table(repo_copy: Path) -> None:
+    set_params(repo_copy, "tracking", enabled=True, tracking_uri=_store(repo_copy))
+    run(["git", "commit", "-qam", "track runs"], repo_copy)
+    commit = run(["git", "rev-parse", "HEAD"], repo_copy).stdout.strip()
+    run(["dvc", "repro", "evaluate"], repo_copy)  # generate rewrites dvc.lock: the run is still clean
+    run_id = json.loads((repo_copy / "reports/train.json").read_text())["run_id"]
+    tags = MlflowClient(_store(repo_copy)).get_run(run_id).data.tags
+    assert (tags["git.commit"], tags["git.dirty"]) == (commit, "false") and tags["dvc.data_hash"].endswith(".dir")
+
+    proc = run(["batchlab", "reproduce", run_id], repo_copy)
+    [verdict] = proc.stdout.strip().splitlines()
+    assert verdict.startswith(f"reproduce: run {run_id} at {commit[:12]}: identical ("), proc.stdout
+    values = int(verdict.split("(")[1].split()[0])
+    assert values >= 20  # data hash, test and last-epoch metrics, 2 weight tensors per layer
+    assert len(run(["git", "worktree", "list"], repo_copy).stdout.splitlines()) == 1  # the temporary one is gone
+
+    # the record says something else than the rebuild gives: a later value of a test metric
+    client = MlflowClient(_store(repo_copy))
+    recorded = client.get_run(run_id).data.metrics["test_accuracy"]
+    client.log_metric(run_id, "test_accuracy", recorded - 0.25, step=1)
+    proc = run(["batchlab", "reproduce", run_id], repo_copy, check=False)
+    assert proc.returncode == 1
+    assert proc.stdout.strip().splitlines() == [
+        f"reproduce: run {run_id} at {commit[:12]}: 1 of {values} values differ",
+        "| what | recorded | reproduced |",
+        "|---|---|---|",
+        f"| test_accuracy | {recorded - 0.25!r} | {recorded!r} |",
+    ]
+    assert (
+        proc.stderr.strip().splitlines()[-1]
+        == f"batchlab: error: run {run_id} did not reproduce (the table above says where)"
+    )
