@@ -79,6 +79,8 @@ sys.exit(status)
         (["train", "--bogus"], 2, "torch,mlflow,numpy,pydantic,yaml"),
         # runs on every params change, tracking enabled or not
         (["validate"], 0, "torch,mlflow,sklearn,pandas"),
+        # scikit-learn makes the data; nothing trains or tracks
+        (["generate"], 0, "torch,mlflow"),
     ],
 )
 def test_help_usage_errors_and_validate_skip_the_heavy_imports(
@@ -97,6 +99,8 @@ def test_help_usage_errors_and_validate_skip_the_heavy_imports(
     assert proc.stdout.splitlines()[-1] == "imported: ", proc.stdout
     if argv == ["validate"]:
         assert (tmp_path / ".batchlab/params.ok").is_file() and not (tmp_path / "mlflow.db").exists()
+    if argv == ["generate"]:
+        assert (tmp_path / "data/prepared/dataset.json").is_file() and not (tmp_path / "mlflow.db").exists()
 
 
 MLFLOW_CHATTER = (
@@ -130,3 +134,4 @@ def test_ui_url_is_the_plain_address_until_the_store_exists_and_creates_nothing(
     store = tmp_path / "mlflow.db"
     shown = run(["batchlab", "ui-url", "--store", f"sqlite:///{store}", "--port", "5123"], tmp_path).stdout
     assert shown.strip() == "http://127.0.0.1:5123" and not store.exists()
+
