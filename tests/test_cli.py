@@ -135,3 +135,11 @@ def test_ui_url_is_the_plain_address_until_the_store_exists_and_creates_nothing(
     shown = run(["batchlab", "ui-url", "--store", f"sqlite:///{store}", "--port", "5123"], tmp_path).stdout
     assert shown.strip() == "http://127.0.0.1:5123" and not store.exists()
 
+
+def test_the_program_ends_with_the_commands_status_and_its_output_written(tmp_path: Path) -> None:
+    write_params(tmp_path, TINY)
+    shown = run(["batchlab", "ui-url", "--port", "5123"], tmp_path)  # stdout is a pipe: block-buffered
+    assert (shown.returncode, shown.stdout) == (0, "http://127.0.0.1:5123\n")
+    failed = run(["batchlab", "train"], tmp_path, check=False)  # nothing generated yet
+    assert failed.returncode == 2 and "no prepared dataset" in failed.stderr
+
