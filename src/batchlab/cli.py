@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> None:
     if args.stage == "ui-url":
         print(ui_url(args.port, experiment_id(args.store, cfg.tracking.experiment)))
         return
-    from batchlab import launch, stages
+    from batchlab import data, launch, stages
 
     if cfg.tracking.enabled and args.stage != "generate":
         from batchlab.tracking import quiet_mlflow
@@ -161,14 +161,18 @@ def run(args: argparse.Namespace) -> None:
         stages.generate(cfg, paths)
     elif args.stage == "train":
         if launch.is_worker():
-            stages.train_worker(cfg, paths)
+            stages.train_worker(cfg, paths)  # train.threads: resolved by the launcher for its ranks
         else:
+            if not launch.uses_torchrun(cfg.train):  # this process trains: decide its threads once
+                launch.use_threads(launch.training_threads(cfg, *data.dimensions(paths.data)))
             stages.train(cfg, paths)
     elif args.stage == "evaluate":
         stages.evaluate(cfg, paths)
     elif args.stage == "export":
         stages.export(cfg, paths)
     elif args.stage == "sweep":
+        if cfg.sweep.parallel == 1:  # every experiment trains in this process (else each in its own)
+            launch.use_threads(launch.sweep_threads(cfg, *data.dimensions(paths.data)))
         print(stages.sweep(cfg, paths)["markdown"])  # the trade-off table, for the person who ran it
 
 

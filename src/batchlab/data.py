@@ -237,6 +237,18 @@ def load(folder: str | Path) -> Dataset:
     return Dataset(**splits, feature_names=feature_names, class_names=class_names)
 
 
+def dimensions(folder: str | Path) -> tuple[int, int]:
+    """Features and classes of the dataset `save` wrote, from dataset.json alone (no arrays read)."""
+    meta_path = Path(folder) / "dataset.json"
+    if not meta_path.is_file():
+        raise DataError(f"no prepared dataset in {folder}; {REGENERATE}")
+    try:
+        meta = json.loads(meta_path.read_text())
+        return len(meta["feature_names"]), len(meta["class_names"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DataError(f"{meta_path} is damaged ({type(err).__name__}); {REGENERATE}") from err
+
+
 def _load_array(path: Path) -> np.ndarray:
     try:
         return np.load(path)
