@@ -11,6 +11,7 @@ import pytest
 
 from batchlab import launch
 from batchlab.config import TrainConfig, parse_config
+from batchlab.data import Shape
 from tests.conftest import tiny_config
 
 
@@ -96,6 +97,9 @@ def test_a_granted_share_caps_this_process_and_the_ranks_it_starts(monkeypatch: 
     assert env["OMP_NUM_THREADS"] == "1" and env[launch.CORES_ENV] == "3"
 
 
+DATA = Shape(n_features=10, n_classes=2, rows={"train": 2800, "val": 600, "test": 600})  # params.yaml's
+
+
 def _no_measuring(window_s: float = 0.1) -> float:
     raise AssertionError("measured the load although one thread was the answer")
 
@@ -104,8 +108,8 @@ def test_auto_gives_the_default_model_one_thread_without_measuring(monkeypatch: 
     _machine(monkeypatch, 16)
     monkeypatch.setattr(launch, "busy_cores", _no_measuring)
     cfg = parse_config({})  # params.yaml's defaults: 64-wide, batch 64; the sweep up to batch 512
-    assert launch.training_threads(cfg, n_features=10, n_classes=2) == 1
-    assert launch.sweep_threads(cfg, n_features=10, n_classes=2) == 1
+    assert launch.training_threads(cfg, DATA) == 1
+    assert launch.sweep_threads(cfg, DATA) == 1
 
 
 WIDE = {"model": {"hidden_sizes": [1024, 1024]}, "train": {"threads": 0, "batch_size": 512}}
@@ -119,13 +123,13 @@ def test_auto_gives_a_wide_model_the_cores_no_other_process_is_busy_on(
     cores: int, busy: float, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _machine(monkeypatch, cores, busy)
-    assert launch.training_threads(tiny_config(**WIDE), n_features=10, n_classes=2) == threads
+    assert launch.training_threads(tiny_config(**WIDE), DATA) == threads
 
 
 def test_auto_stays_within_a_granted_share_while_the_other_shares_are_busy(monkeypatch: pytest.MonkeyPatch) -> None:
     _machine(monkeypatch, 8, busy=4.0)  # the sweep's other experiment, on its 4 cores
     launch.limit_cores(4)
-    assert launch.training_threads(tiny_config(**WIDE), n_features=10, n_classes=2) == 4
+    assert launch.training_threads(tiny_config(**WIDE), DATA) == 4
 
 
 def test_auto_sizes_threads_to_the_micro_batch_a_process_runs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -134,14 +138,33 @@ def test_auto_sizes_threads_to_the_micro_batch_a_process_runs(monkeypatch: pytes
     split = tiny_config(
         model={"hidden_sizes": [256, 256]}, train={"threads": 0, "batch_size": 512, "grad_accum_steps": 8}
     )
-    assert launch.training_threads(whole, 10, 2) > launch.training_threads(split, 10, 2) > 1
+    assert launch.training_threads(whole, DATA) > launch.training_threads(split, DATA) > 1
 
 
 def test_explicit_threads_are_used_as_given(monkeypatch: pytest.MonkeyPatch) -> None:
     _machine(monkeypatch, 2, busy=2.0)
     monkeypatch.setattr(launch, "busy_cores", _no_measuring)
     cfg = tiny_config(model=WIDE["model"], train={"threads": 3})
-    assert launch.training_threads(cfg, 10, 2) == launch.sweep_threads(cfg, 10, 2) == 3
+    assert launch.training_threads(cfg, DATA) == launch.sweep_threads(cfg, DATA) == 3
+    assert launch.inference_threads(cfg, DATA) == 3
+
+
+def test_evaluate_and_export_size_threads_to_a_forward_pass_over_the_test_split(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _machine(monkeypatch, 8)
+    cfg = tiny_config(model=WIDE["model"], train={"threads": 0})
+    assert launch.inference_threads(cfg, DATA) == 8  # 600 rows through a 1024-wide model
+    small = Shape(n_features=10, n_classes=2, rows={"train": 20, "val": 4, "test": 4})
+    assert launch.inference_threads(cfg, small) == 1
+    assert launch.stage_threads("evaluate", cfg, small) == launch.stage_threads("export", cfg, small) == 1
+
+
+def test_processes_that_run_no_model_themselves_leave_threads_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    _machine(monkeypatch, 8)
+    assert launch.stage_threads("train", tiny_config(train={"strategy": "ddp", "threads": 0}), DATA) is None
+    assert launch.stage_threads("sweep", tiny_config(train={"threads": 0}, sweep={"parallel": 2}), DATA) is None
+    assert launch.stage_threads("sweep", tiny_config(train={"threads": 0}, sweep={"parallel": 1}), DATA) == 1
 
 
 def test_busy_cores_sees_a_process_spinning_on_a_core() -> None:

@@ -1,7 +1,8 @@
 """`batchlab <stage>`: the commands dvc.yaml and people call.
 
 Nothing but argparse is imported before the arguments are parsed, so `--help` and a usage
-error answer at once; each stage then imports what it needs (validate: no torch, no mlflow).
+error answer at once; each stage then imports what it needs (validate: no torch, no mlflow; generate:
+scikit-learn, no torch, no mlflow).
 """
 
 from __future__ import annotations
@@ -157,22 +158,23 @@ def run(args: argparse.Namespace) -> None:
 
         quiet_mlflow()
     paths = stages.Paths(out=args.out)
+    # this process's torch threads, once, where it starts (a rank's were resolved by its launcher)
+    if args.stage != "generate" and not launch.is_worker():
+        threads = launch.stage_threads(args.stage, cfg, data.shape(paths.data))
+        if threads is not None:
+            launch.use_threads(threads)
     if args.stage == "generate":
         stages.generate(cfg, paths)
     elif args.stage == "train":
         if launch.is_worker():
-            stages.train_worker(cfg, paths)  # train.threads: resolved by the launcher for its ranks
+            stages.train_worker(cfg, paths)
         else:
-            if not launch.uses_torchrun(cfg.train):  # this process trains: decide its threads once
-                launch.use_threads(launch.training_threads(cfg, *data.dimensions(paths.data)))
             stages.train(cfg, paths)
     elif args.stage == "evaluate":
         stages.evaluate(cfg, paths)
     elif args.stage == "export":
         stages.export(cfg, paths)
     elif args.stage == "sweep":
-        if cfg.sweep.parallel == 1:  # every experiment trains in this process (else each in its own)
-            launch.use_threads(launch.sweep_threads(cfg, *data.dimensions(paths.data)))
         print(stages.sweep(cfg, paths)["markdown"])  # the trade-off table, for the person who ran it
 
 

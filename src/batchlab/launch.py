@@ -10,8 +10,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from batchlab.config import Config, ModelConfig, TrainConfig
+
+if TYPE_CHECKING:
+    from batchlab.data import Shape
 
 log = logging.getLogger(__name__)
 
@@ -100,20 +104,38 @@ def auto_threads(flops: float) -> int:
     return threads
 
 
-def training_threads(cfg: Config, n_features: int, n_classes: int, batch: int | None = None) -> int:
+def training_threads(cfg: Config, shape: Shape, batch: int | None = None) -> int:
     """train.threads when set; otherwise (0, auto) chosen from the work of a step at `batch`
     (default train.batch_size) within this process's cores."""
     tc = cfg.train
     if tc.threads:
         return tc.threads
     rows = max(1, (batch or tc.batch_size) // (tc.world_size() * tc.grad_accum_steps))
-    return auto_threads(step_flops(cfg.model, n_features, n_classes, rows))
+    return auto_threads(step_flops(cfg.model, shape.n_features, shape.n_classes, rows))
 
 
-def sweep_threads(cfg: Config, n_features: int, n_classes: int) -> int:
+def sweep_threads(cfg: Config, shape: Shape) -> int:
     """One thread count for every experiment of a sweep, so their samples/s compare: that of its
     largest batch (a second thread costs small batches a few percent at most)."""
-    return training_threads(cfg, n_features, n_classes, batch=max(cfg.sweep.batch_sizes))
+    return training_threads(cfg, shape, batch=max(cfg.sweep.batch_sizes))
+
+
+def inference_threads(cfg: Config, shape: Shape) -> int:
+    """train.threads when set; otherwise chosen from the work of one forward pass over the test
+    split (a third of a training step's), the largest that evaluate and export run."""
+    if cfg.train.threads:
+        return cfg.train.threads
+    return auto_threads(step_flops(cfg.model, shape.n_features, shape.n_classes, shape.rows["test"]) / 3)
+
+
+def stage_threads(stage: str, cfg: Config, shape: Shape) -> int | None:
+    """The torch threads of a `batchlab <stage>` process, decided where it starts; None where it
+    runs no model itself (a DDP launcher: its ranks get theirs; a parallel sweep: each experiment)."""
+    if stage == "train":
+        return None if uses_torchrun(cfg.train) else training_threads(cfg, shape)
+    if stage == "sweep":
+        return sweep_threads(cfg, shape) if cfg.sweep.parallel == 1 else None
+    return inference_threads(cfg, shape)  # evaluate, export
 
 
 def use_threads(threads: int) -> None:

@@ -178,7 +178,7 @@ def _isolated(
 ) -> dict[str, Any]:
     # this process, and ranks it starts, use its share of the cores: `threads` of them at most
     launch.limit_cores(threads)
-    torch.set_num_threads(launch.sweep_threads(cfg, *data.dimensions(paths.data)))
+    torch.set_num_threads(launch.sweep_threads(cfg, data.shape(paths.data)))
     return _train_and_score(cfg, exp, paths, parent_run_id)
 
 
