@@ -79,6 +79,8 @@ sys.exit(status)
         (["train", "--bogus"], 2, "torch,mlflow,numpy,pydantic,yaml"),
         # runs on every params change, tracking enabled or not
         (["validate"], 0, "torch,mlflow,sklearn,pandas"),
+        # scikit-learn makes the data; nothing trains or tracks
+        (["generate"], 0, "torch,mlflow"),
     ],
 )
 def test_help_usage_errors_and_validate_skip_the_heavy_imports(
@@ -97,6 +99,8 @@ def test_help_usage_errors_and_validate_skip_the_heavy_imports(
     assert proc.stdout.splitlines()[-1] == "imported: ", proc.stdout
     if argv == ["validate"]:
         assert (tmp_path / ".batchlab/params.ok").is_file() and not (tmp_path / "mlflow.db").exists()
+    if argv == ["generate"]:
+        assert (tmp_path / "data/prepared/dataset.json").is_file() and not (tmp_path / "mlflow.db").exists()
 
 
 MLFLOW_CHATTER = (
@@ -130,3 +134,18 @@ def test_ui_url_is_the_plain_address_until_the_store_exists_and_creates_nothing(
     store = tmp_path / "mlflow.db"
     shown = run(["batchlab", "ui-url", "--store", f"sqlite:///{store}", "--port", "5123"], tmp_path).stdout
     assert shown.strip() == "http://127.0.0.1:5123" and not store.exists()
+
+
+def test_the_program_ends_with_the_commands_status_and_its_output_written(tmp_path: Path) -> None:
+    write_params(tmp_path, TINY)
+    shown = run(["batchlab", "ui-url", "--port", "5123"], tmp_path)  # stdout is a pipe: block-buffered
+    assert (shown.returncode, shown.stdout) == (0, "http://127.0.0.1:5123\n")
+    failed = run(["batchlab", "train"], tmp_path, check=False)  # nothing generated yet
+    assert failed.returncode == 2 and "no prepared dataset" in failed.stderr
+
+
+def test_train_picks_its_threads_when_train_threads_is_0(tmp_path: Path) -> None:
+    write_params(tmp_path, merge(TINY, {"train": {"threads": 0, "epochs": 1}}))
+    run(["batchlab", "generate"], tmp_path)
+    stderr = run(["batchlab", "train"], tmp_path, BATCHLAB_LOG="INFO").stderr
+    assert "torch threads: 1" in stderr, stderr  # a 16-wide model: one thread, whatever the machine

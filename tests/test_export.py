@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -55,3 +57,44 @@ def test_latency_reports_both_engines(exported: tuple[torch.nn.Module, Path]) ->
     lat = export.latency_us(model, path, x, repeats=20)
     assert set(lat) == {f"{e}_{b}_us" for e in ("onnxruntime", "torch") for b in ("batch1", "full")}
     assert all(v > 0 for v in lat.values())
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "tanh", "silu"])
+@pytest.mark.parametrize("opset", [13, export.TORCHSCRIPT_MAX_OPSET])
+def test_every_activation_passes_the_gate_through_the_torchscript_exporter(
+    activation: str, opset: int, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(hidden_sizes=[16, 8], activation=activation), 6, 3).eval()
+    export.export_onnx(model, 6, tmp_path / "model.onnx", opset=opset)
+    x = np.random.default_rng(0).normal(size=(50, 6)).astype(np.float32)
+    assert max(r.max_abs_diff for r in export.check_parity(model, tmp_path / "model.onnx", x, atol=1e-5)) <= 1e-5
+
+
+# a fresh interpreter: what exporting one model loads
+LOADED = """
+import sys
+import torch
+from batchlab import export
+from batchlab.config import ModelConfig
+from batchlab.model import build_model
+export.export_onnx(build_model(ModelConfig(hidden_sizes=[8]), 4, 2), 4, sys.argv[2], opset=int(sys.argv[1]))
+print(",".join(m for m in ("onnxscript", "torch._dynamo") if m in sys.modules))
+"""
+
+
+def test_opsets_up_to_20_export_without_loading_the_dynamo_exporter(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", LOADED, "18", str(tmp_path / "model.onnx")], capture_output=True, text=True, check=True
+    )
+    assert proc.stdout.strip() == "", proc.stdout  # onnxscript + dynamo: ~1.2 s to import, ~2.7 s to export
+
+
+@pytest.mark.slow
+def test_opsets_above_20_export_through_dynamo_and_pass_the_gate(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(hidden_sizes=[16, 8], activation="gelu"), 6, 3).eval()
+    export.export_onnx(model, 6, tmp_path / "model.onnx", opset=23)
+    assert onnx.load(str(tmp_path / "model.onnx")).opset_import[0].version == 23
+    x = np.random.default_rng(0).normal(size=(50, 6)).astype(np.float32)
+    assert all(r.mismatched_predictions == 0 for r in export.check_parity(model, tmp_path / "model.onnx", x, 1e-4))

@@ -69,7 +69,12 @@ class TrainConfig(Section):
         5, description="stop after this many epochs without val-loss improvement (0 = off)"
     )
     seed: int = Field(0, description="seed for initial weights, shuffling and dropout")
-    threads: Annotated[int, Field(ge=0)] = Field(0, description="torch CPU threads per process (0 = torch default)")
+    threads: Annotated[int, Field(ge=0)] = Field(
+        0,
+        description="torch CPU threads per process; 0 = auto: more than one only when a step's work (model "
+        "width x batch) pays for them, on cores no other process is busy on, within the process's share "
+        "(sweep.parallel; ddp ranks: cores / nproc)",
+    )
     strategy: Literal["single", "ddp"] = Field("single", description="single process or DistributedDataParallel")
     nproc: PositiveInt = Field(1, description="ddp: processes per machine")
     nnodes: PositiveInt = Field(1, description="ddp: number of machines")

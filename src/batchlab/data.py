@@ -237,6 +237,28 @@ def load(folder: str | Path) -> Dataset:
     return Dataset(**splits, feature_names=feature_names, class_names=class_names)
 
 
+@dataclass(frozen=True)
+class Shape:
+    """A prepared dataset's sizes, read from dataset.json alone: what choosing threads needs."""
+
+    n_features: int
+    n_classes: int
+    rows: dict[str, int]  # per split
+
+
+def shape(folder: str | Path) -> Shape:
+    """The sizes of the dataset `save` wrote, without reading its arrays."""
+    meta_path = Path(folder) / "dataset.json"
+    if not meta_path.is_file():
+        raise DataError(f"no prepared dataset in {folder}; {REGENERATE}")
+    try:
+        meta = json.loads(meta_path.read_text())
+        rows = {name: int(meta["splits"][name]["rows"]) for name in SPLITS}
+        return Shape(len(meta["feature_names"]), len(meta["class_names"]), rows)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DataError(f"{meta_path} is damaged ({type(err).__name__}); {REGENERATE}") from err
+
+
 def _load_array(path: Path) -> np.ndarray:
     try:
         return np.load(path)

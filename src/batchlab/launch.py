@@ -1,15 +1,31 @@
-"""Start DDP training through torch's elastic launcher (torchrun), so no stage needs a special command."""
+"""Where training processes start: torchrun for DDP (so no stage needs a special command), and how
+many threads each process runs."""
 
 from __future__ import annotations
 
+import itertools
+import logging
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from batchlab.config import TrainConfig
+from batchlab.config import Config, ModelConfig, TrainConfig
+
+if TYPE_CHECKING:
+    from batchlab.data import Shape
+
+log = logging.getLogger(__name__)
 
 RUN_ID_ENV = "BATCHLAB_RUN_ID"
+# the cores a parent process granted this one (a parallel sweep's experiment); its children inherit it
+CORES_ENV = "BATCHLAB_CORES"
+# A second thread made a training step of this MLP >= 10% faster only from ~25 MFLOP per step on
+# an otherwise idle core (the 64-wide default at batch 64: ~2 MFLOP); below, it cost 2-7%. Beside a
+# busy process it was 2-20x slower at every size measured (benchmarks/bench_threads.py).
+FLOPS_PER_THREAD = 12.5e6
 
 
 class LaunchError(RuntimeError):
@@ -33,9 +49,101 @@ def torchrun_args(cfg: TrainConfig) -> list[str]:
             "--master-addr", host, "--master-port", port]  # fmt: skip
 
 
+def _affinity() -> list[int]:
+    """The CPUs this process may run on (taskset, a cgroup cpuset), not the machine's count."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API (macOS, Windows)
+        return list(range(os.cpu_count() or 1))
+
+
+def usable_cores() -> int:
+    """The cores this process may use: its CPU affinity, within what a parent granted it (CORES_ENV)."""
+    cores = len(_affinity())
+    granted = os.environ.get(CORES_ENV, "")
+    return max(1, min(cores, int(granted))) if granted.isdigit() and int(granted) > 0 else cores
+
+
+def limit_cores(cores: int) -> None:
+    """Let this process, and the processes it starts, use at most `cores` cores."""
+    os.environ[CORES_ENV] = str(cores)
+
+
 def threads_per_process(processes: int) -> int:
-    """This machine's cores shared by `processes` processes: more threads than cores only spin."""
-    return max(1, (os.cpu_count() or 1) // processes)
+    """This process's share of the usable cores when `processes` processes run at once: more
+    threads than cores only spin."""
+    return max(1, usable_cores() // processes)
+
+
+def busy_cores(window_s: float = 0.1) -> float:
+    """How many of this process's CPUs other processes keep busy, measured over `window_s` while
+    this one sleeps."""
+    import psutil
+
+    percent = psutil.cpu_percent(interval=window_s, percpu=True)
+    return sum(percent[i] for i in _affinity() if i < len(percent)) / 100
+
+
+def step_flops(model: ModelConfig, n_features: int, n_classes: int, rows: int) -> float:
+    """Floating-point operations of one training step of the MLP on `rows` rows (backward ~ 2x forward)."""
+    widths = [n_features, *model.hidden_sizes, n_classes]
+    return 6.0 * rows * sum(a * b for a, b in itertools.pairwise(widths))
+
+
+def auto_threads(flops: float) -> int:
+    """Threads for training steps of `flops` each: one per FLOPS_PER_THREAD, within this process's
+    cores, and only on CPUs no other process is using (measured for 0.1 s when more than one thread
+    would be used)."""
+    threads = min(usable_cores(), max(1, int(flops // FLOPS_PER_THREAD)))
+    if threads > 1:
+        # a CPU counts as taken from a quarter busy: another runnable thread on it stalls a thread
+        # team at every join. Counted over every CPU of the affinity, so the experiments of a
+        # parallel sweep, each within its share, do not count each other twice.
+        free = len(_affinity()) - math.ceil(busy_cores() - 0.25)
+        threads = max(1, min(threads, free))
+    return threads
+
+
+def training_threads(cfg: Config, shape: Shape, batch: int | None = None) -> int:
+    """train.threads when set; otherwise (0, auto) chosen from the work of a step at `batch`
+    (default train.batch_size) within this process's cores."""
+    tc = cfg.train
+    if tc.threads:
+        return tc.threads
+    rows = max(1, (batch or tc.batch_size) // (tc.world_size() * tc.grad_accum_steps))
+    return auto_threads(step_flops(cfg.model, shape.n_features, shape.n_classes, rows))
+
+
+def sweep_threads(cfg: Config, shape: Shape) -> int:
+    """One thread count for every experiment of a sweep, so their samples/s compare: that of its
+    largest batch (a second thread costs small batches a few percent at most)."""
+    return training_threads(cfg, shape, batch=max(cfg.sweep.batch_sizes))
+
+
+def inference_threads(cfg: Config, shape: Shape) -> int:
+    """train.threads when set; otherwise chosen from the work of one forward pass over the test
+    split (a third of a training step's), the largest that evaluate and export run."""
+    if cfg.train.threads:
+        return cfg.train.threads
+    return auto_threads(step_flops(cfg.model, shape.n_features, shape.n_classes, shape.rows["test"]) / 3)
+
+
+def stage_threads(stage: str, cfg: Config, shape: Shape) -> int | None:
+    """The torch threads of a `batchlab <stage>` process, decided where it starts; None where it
+    runs no model itself (a DDP launcher: its ranks get theirs; a parallel sweep: each experiment)."""
+    if stage == "train":
+        return None if uses_torchrun(cfg.train) else training_threads(cfg, shape)
+    if stage == "sweep":
+        return sweep_threads(cfg, shape) if cfg.sweep.parallel == 1 else None
+    return inference_threads(cfg, shape)  # evaluate, export
+
+
+def use_threads(threads: int) -> None:
+    """Run this process's torch operations on `threads` threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    log.info("torch threads: %d", threads)
 
 
 def worker_env(cfg: TrainConfig, run_id: str | None) -> dict[str, str]:

@@ -1,6 +1,7 @@
 """The pipeline's stages: read inputs, call the pure functions, write outputs atomically.
 
-`batchlab <stage>` (dvc.yaml) and the Prefect flows both call these.
+`batchlab <stage>` (dvc.yaml) and the Prefect flows both call these. Each stage imports what it
+uses when it runs: `batchlab generate` starts without torch (~1 s) and mlflow.
 """
 
 from __future__ import annotations
@@ -13,15 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from batchlab import atomic, data, launch, resume, tracking
+from batchlab import atomic, data, launch, tracking
 from batchlab import config as config_module
-from batchlab import export as onnx
 from batchlab.config import Config, dump_config
-from batchlab.model import load_model, save_model
-from batchlab.strategy import check_supported, describe, session
-from batchlab.train import fingerprint, fit
 from batchlab.validate import batch_fits
 
 log = logging.getLogger(__name__)
@@ -89,6 +84,12 @@ def train_worker(
     cfg: Config, paths: Paths, tracker: tracking.Tracker | None = None, dataset: data.Dataset | None = None
 ) -> None:
     """One training process: the only one, or one rank under torchrun. Rank 0 writes the outputs."""
+    import torch
+
+    from batchlab.model import save_model
+    from batchlab.strategy import session
+    from batchlab.train import fit
+
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if dataset is None:  # a rank under torchrun reads it itself
@@ -132,6 +133,11 @@ def train(
     dataset: data.Dataset | None = None,
 ) -> dict[str, Any]:
     """Train on the prepared data, in this process or, under `strategy: ddp`, on ranks started by torchrun."""
+    from batchlab import resume
+    from batchlab.model import load_model
+    from batchlab.strategy import check_supported, describe
+    from batchlab.train import fingerprint
+
     dataset = dataset or data.load(paths.data)
     batch_fits(cfg.train.batch_size, dataset.train.y.shape[0], "train.batch_size")
     check_supported(cfg.train)  # once, before any process starts
@@ -196,7 +202,9 @@ def evaluate(cfg: Config, paths: Paths = Paths()) -> dict[str, float]:
 def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
     import numpy as np
 
+    from batchlab import export as onnx
     from batchlab import predict, quantize
+    from batchlab.model import load_model
     from batchlab.tracking import digests, pyfunc
 
     dataset = data.load(paths.data)

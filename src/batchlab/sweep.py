@@ -176,7 +176,9 @@ def _finished(path: Path, expected: str) -> dict[str, Any] | None:
 def _isolated(
     cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None, threads: int
 ) -> dict[str, Any]:
-    torch.set_num_threads(threads)  # this process's share of the cores (train.threads: 0 keeps it)
+    # this process, and ranks it starts, use its share of the cores: `threads` of them at most
+    launch.limit_cores(threads)
+    torch.set_num_threads(launch.sweep_threads(cfg, data.shape(paths.data)))
     return _train_and_score(cfg, exp, paths, parent_run_id)
 
 
