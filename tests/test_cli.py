@@ -147,5 +147,5 @@ def test_the_program_ends_with_the_commands_status_and_its_output_written(tmp_pa
 def test_train_picks_its_threads_when_train_threads_is_0(tmp_path: Path) -> None:
     write_params(tmp_path, merge(TINY, {"train": {"threads": 0, "epochs": 1}}))
     run(["batchlab", "generate"], tmp_path)
-    stderr = run(["batchlab", "train"], tmp_path, BATCHLAB_LOG="INFO").stderr
+    stderr = run(["batchlab", "train"], tmp_path, BATCHLAB_LOG="DEBUG").stderr
     assert "torch threads: 1" in stderr, stderr  # a 16-wide model: one thread, whatever the machine

@@ -143,7 +143,7 @@ def use_threads(threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
-    log.info("torch threads: %d", threads)
+    log.debug("torch threads: %d", threads)  # the run tags and train_summary.json record it
 
 
 def worker_env(cfg: TrainConfig, run_id: str | None) -> dict[str, str]:

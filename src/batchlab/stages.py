@@ -109,7 +109,7 @@ def train_worker(
             else:  # not a stale curve from an earlier run
                 (paths.reports / "val_curve.csv").unlink(missing_ok=True)
             summary = {"best_epoch": result.best_epoch, "epochs_run": len(result.history),
-                       "stopped_early": result.stopped_early}  # fmt: skip
+                       "stopped_early": result.stopped_early, "torch_threads": torch.get_num_threads()}  # fmt: skip
             atomic.write_json(paths.reports / "train_summary.json", summary)
             paths.checkpoint.unlink(missing_ok=True)
 
@@ -166,6 +166,7 @@ def train(
         tracker.log_artifact(paths.reports / "history.csv")
         info = {"run_id": tracker.run_id, "model_uri": model_uri,
                 **json.loads((paths.reports / "train_summary.json").read_text())}  # fmt: skip
+        tracker.set_tags({"train.torch_threads": str(info["torch_threads"])})  # what threads: 0 (auto) chose
         atomic.write_json(paths.run_info, info)
     resume.forget(paths.checkpoint)
     return info
