@@ -22,9 +22,11 @@ log = logging.getLogger(__name__)
 RUN_ID_ENV = "BATCHLAB_RUN_ID"
 # the cores a parent process granted this one (a parallel sweep's experiment); its children inherit it
 CORES_ENV = "BATCHLAB_CORES"
-# A second thread made a training step of this MLP >= 10% faster only from ~25 MFLOP per step on
-# an otherwise idle core (the 64-wide default at batch 64: ~2 MFLOP); below, it cost 2-7%. Beside a
-# busy process it was 2-20x slower at every size measured (benchmarks/bench_threads.py).
+# A training step of this MLP on 2 threads vs 1, on a 2-core machine with its cores free (fastest of
+# 6 x 20 steps, widths 64-1024 x batches 16-2048): below 15 MFLOP per step 0.93-1.04x (the 64-wide
+# default at batch 64 is 1.9 MFLOP), 26-60 MFLOP 1.07-1.14x, 100-800 MFLOP 1.14-1.38x, from 1.6 GFLOP
+# ~1.5x; beside one busy process 0.05-0.8x at every size (benchmarks/bench_threads.py measures the
+# same). Hence a second thread from 25 MFLOP; more threads per FLOP on bigger machines is assumed.
 FLOPS_PER_THREAD = 12.5e6
 
 
