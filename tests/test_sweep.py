@@ -99,6 +99,15 @@ def test_lr_multipliers_run_each_batch_size_at_each_lr_and_keep_the_best(workdir
     assert "Learning rate kept per batch size" in summary["markdown"]
 
 
+def test_results_of_other_code_are_measured_again(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tiny_config(sweep={"batch_sizes": [16, 64]})
+    stages.generate(cfg, stages.Paths(workdir))
+    sweep.run_sweep(cfg, stages.Paths(workdir))
+    assert sweep.prepare(cfg, stages.Paths(workdir)).todo == []
+    monkeypatch.setattr(sweep, "code_hash", lambda: "edited")  # what an edit to src/batchlab does
+    assert len(sweep.prepare(cfg, stages.Paths(workdir)).todo) == 2
+
+
 def test_experiments_differ_only_in_batch_size_and_lr() -> None:
     cfg = tiny_config(train={"early_stopping_patience": 3}, sweep={"lr_scaling": "linear"})
     configs = [sweep.experiment_config(cfg, e) for e in sweep.plan(cfg, n_train=420)]

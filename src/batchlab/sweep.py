@@ -8,6 +8,7 @@ reruns as a no-op. One sweep at a time per folder: a second one is refused (Swee
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -82,8 +83,19 @@ def experiment_config(cfg: Config, exp: Experiment) -> Config:
     return parse_config(raw)
 
 
+@functools.cache
+def code_hash() -> str:
+    """The package's source: a result measured by other code is not this code's result (a resume
+    after an edit re-measures, as `dvc repro` expects when it reruns the stage for the edit)."""
+    package = Path(__file__).parent
+    digest = hashlib.sha256()
+    for source in sorted(package.rglob("*.py")):
+        digest.update(source.relative_to(package).as_posix().encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def fingerprint(cfg: Config, exp: Experiment, data_hash: str) -> str:
-    return f"{experiment_config(cfg, exp).section_hash('model', 'train')}-{data_hash}"
+    return f"{experiment_config(cfg, exp).section_hash('model', 'train')}-{data_hash}-{code_hash()}"
 
 
 _STEP_MEMORY: dict[str, float] = {}
@@ -260,7 +272,7 @@ def prepare(cfg: Config, paths: stages.Paths) -> Sweep:
     dataset = data.load(paths.data)
     experiments = plan(cfg, dataset.train.y.shape[0])
     data_hash = dataset.content_hash()
-    key = cfg.section_hash("model", "train", "sweep") + f"-{data_hash}"
+    key = cfg.section_hash("model", "train", "sweep") + f"-{data_hash}-{code_hash()}"
     state = json.loads(_state_path(paths).read_text()) if _state_path(paths).is_file() else {}
     if state.get("sweep") != key:
         state = {}  # another sweep's: its parent run and wall time are not this one's
