@@ -152,10 +152,16 @@ def test_a_model_whose_feature_count_differs_or_that_has_no_scaler_is_refused(pi
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_pyfunc_predictor_returns_class_and_probabilities_and_mlflow_evaluate_scores_it(pipeline: Path) -> None:
+def test_pyfunc_predictor_returns_class_and_probabilities_and_mlflow_evaluate_scores_it(
+    pipeline: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import mlflow
 
-    mlflow.set_tracking_uri(f"sqlite:///{pipeline / 'mlflow.db'}")
+    uri = f"sqlite:///{pipeline / 'mlflow.db'}"
+    # mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI: undone after the test, or every later
+    # test's subprocesses would log into this store
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
     run_id = json.loads((pipeline / "reports/train.json").read_text())["run_id"]
     predictor = mlflow.pyfunc.load_model(f"runs:/{run_id}/predictor")
     rows = pd.read_csv(pipeline / "raw_test.csv", float_precision="round_trip").drop(columns="id")

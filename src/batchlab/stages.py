@@ -166,7 +166,6 @@ def train(
         tracker.log_artifact(paths.reports / "history.csv")
         info = {"run_id": tracker.run_id, "model_uri": model_uri,
                 **json.loads((paths.reports / "train_summary.json").read_text())}  # fmt: skip
-        tracker.set_tags({"train.torch_threads": str(info["torch_threads"])})  # what threads: 0 (auto) chose
         atomic.write_json(paths.run_info, info)
     resume.forget(paths.checkpoint)
     return info
