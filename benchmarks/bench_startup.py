@@ -17,13 +17,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from common import REPO, Table, cli_env, markdown, progress, verdict
+from common import REPO, Table, cli_env, markdown, progress, run_cli, verdict
 
 STAGES = ("generate", "train", "evaluate", "export")
 FLOOR = "import torch, mlflow, sklearn"
@@ -131,18 +130,9 @@ print(json.dumps({"first_s": calls[0], "second_s": calls[1], "max_abs_diff": par
 """
 
 
-def timed_run(cmd: list[str], cwd: Path, **env: str) -> float:
-    started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, env=cli_env(**env), capture_output=True, text=True, timeout=900)
-    seconds = time.perf_counter() - started
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-4000:]}")
-    return seconds
-
-
 def probed(stage: str, cwd: Path) -> dict[str, Any]:
     out = cwd / f".probe-{stage}.json"
-    wall = timed_run([sys.executable, "-c", PROBE, stage], cwd, PROBE_OUT=str(out), PROBE_HEAVY=",".join(HEAVY))
+    wall = run_cli([sys.executable, "-c", PROBE, stage], cwd, PROBE_OUT=str(out), PROBE_HEAVY=",".join(HEAVY))
     figures: dict[str, Any] = json.loads(out.read_text())
     figures["startup_exit"] = wall - figures.pop("in_process")
     figures["wall"] = wall
@@ -150,8 +140,8 @@ def probed(stage: str, cwd: Path) -> dict[str, Any]:
 
 
 def one_round(cwd: Path) -> dict[str, Any]:
-    floor = timed_run([sys.executable, "-c", FLOOR], cwd)
-    plain = {stage: timed_run(["batchlab", stage], cwd) for stage in STAGES}
+    floor = run_cli([sys.executable, "-c", FLOOR], cwd)
+    plain = {stage: run_cli(["batchlab", stage], cwd) for stage in STAGES}
     parts = {stage: probed(stage, cwd) for stage in STAGES}
     return {"floor": floor, "plain": plain, "probed": parts}
 
