@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 import yaml
 
+from batchlab import tracking
 from batchlab.config import Config, parse_config
 from batchlab.data import Dataset, build
 
@@ -135,11 +138,9 @@ def write_params(folder: Path, cfg: dict[str, Any], name: str = "params.yaml") -
     return path
 
 
-@pytest.fixture
-def repo_copy(tmp_path: Path) -> Path:
-    """The repo's tracked files in a fresh git + DVC repo, with tiny params."""
+def copy_repo(dest: Path) -> Path:
+    """The repo's tracked files in a fresh git + DVC repo at `dest`, with tiny params."""
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    dest = tmp_path / "repo"
     for rel in files:
         src = REPO / rel
         if src.is_file():
@@ -151,3 +152,95 @@ def repo_copy(tmp_path: Path) -> Path:
     run(["git", "add", "-A"], dest)
     run(["git", "commit", "-qm", "init"], dest)
     return dest
+
+
+@pytest.fixture
+def repo_copy(tmp_path: Path) -> Path:
+    """The repo's tracked files in a fresh git + DVC repo, with tiny params."""
+    return copy_repo(tmp_path / "repo")
+
+
+def postgres_available() -> bool:
+    try:
+        import psycopg2
+
+        psycopg2.connect(host="127.0.0.1", port=5432, user="postgres", dbname="postgres", connect_timeout=3).close()
+        return True
+    except Exception:
+        return False
+
+
+class MlflowServer:
+    """`mlflow server` on a fixed 127.0.0.1 port over one PostgreSQL database: kill it, start it again."""
+
+    def __init__(self, folder: Path, db: str) -> None:
+        self.folder, self.db = folder, db
+        self.uri = f"http://127.0.0.1:{free_port()}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        port = self.uri.rsplit(":", 1)[1]
+        store = f"postgresql+psycopg2://postgres@127.0.0.1:5432/{self.db}"
+        cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", port, "--workers", "1",
+               "--backend-store-uri", store, "--artifacts-destination", str(self.folder / "artifacts")]  # fmt: skip
+        with open(self.folder / "server.log", "a") as log:
+            # its own process group: `mlflow server` runs uvicorn as a child, and kill() takes both
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+        wait_until(
+            lambda: tracking.check_reachable(self.uri, timeout_s=1) is None,
+            f"mlflow server {self.uri}",
+            interval=0.5,
+            process=self.proc,
+            log=self.folder / "server.log",
+        )
+
+    def kill(self) -> None:
+        """The server dies at once, as when its machine goes away."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def mlflow_on_postgres(folder: Path) -> Iterator[MlflowServer]:
+    """A started MlflowServer over a fresh PostgreSQL database, dropped afterwards (skips without PostgreSQL)."""
+    if not postgres_available():
+        pytest.skip("no PostgreSQL answers at 127.0.0.1:5432 (start it to run the tracking-server tests)")
+    import uuid
+
+    import psycopg2
+
+    db = f"batchlab_test_{uuid.uuid4().hex[:8]}"
+    admin = psycopg2.connect(host="127.0.0.1", port=5432, user="postgres", dbname="postgres")
+    admin.autocommit = True
+    admin.cursor().execute(f"CREATE DATABASE {db}")
+    running = MlflowServer(folder, db)
+    try:
+        running.start()
+        yield running
+    finally:
+        running.kill()
+        admin.cursor().execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+        admin.close()
+
+
+@contextlib.contextmanager
+def prefect_server(folder: Path) -> Iterator[str]:
+    """`prefect server start` on a free 127.0.0.1 port with its own home (SQLite); yields its API URL."""
+    import httpx
+
+    port = free_port()
+    env = env_with_venv(PREFECT_HOME=str(folder / "prefect-home"), PREFECT_UI_ENABLED="false")
+    env.pop("PREFECT_API_URL", None)
+    log = folder / "prefect-server.log"
+    with open(log, "w") as out:
+        cmd = ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+        server = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    api = f"http://127.0.0.1:{port}/api"
+    try:
+        check = lambda: httpx.get(f"{api}/health", timeout=2).status_code == 200  # noqa: E731
+        wait_until(check, "the Prefect server's health check", process=server, log=log)
+        yield api
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)

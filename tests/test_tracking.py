@@ -20,7 +20,16 @@ from mlflow import MlflowClient
 
 from batchlab import stages, tracking
 from batchlab.config import Config, TrackingConfig
-from tests.conftest import WAIT_S, env_with_venv, free_port, run, set_params, tiny_config, wait_until
+from tests.conftest import (
+    WAIT_S,
+    MlflowServer,
+    env_with_venv,
+    mlflow_on_postgres,
+    run,
+    set_params,
+    tiny_config,
+    wait_until,
+)
 
 ON = {"enabled": True, "experiment": "test", "registered_model": "tiny-mlp"}
 
@@ -171,68 +180,11 @@ def test_four_concurrent_writers_share_one_sqlite_file(tmp_path: Path) -> None:
     assert all(len(client.get_metric_history(r.info.run_id, "loss")) == 30 for r in runs)
 
 
-def _postgres_available() -> bool:
-    try:
-        import psycopg2
-
-        psycopg2.connect(host="127.0.0.1", port=5432, user="postgres", dbname="postgres", connect_timeout=3).close()
-        return True
-    except Exception:
-        return False
-
-
-class MlflowServer:
-    """`mlflow server` on a fixed 127.0.0.1 port over one PostgreSQL database: kill it, start it again."""
-
-    def __init__(self, folder: Path, db: str) -> None:
-        self.folder, self.db = folder, db
-        self.uri = f"http://127.0.0.1:{free_port()}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        port = self.uri.rsplit(":", 1)[1]
-        store = f"postgresql+psycopg2://postgres@127.0.0.1:5432/{self.db}"
-        cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", port, "--workers", "1",
-               "--backend-store-uri", store, "--artifacts-destination", str(self.folder / "artifacts")]  # fmt: skip
-        with open(self.folder / "server.log", "a") as log:
-            # its own process group: `mlflow server` runs uvicorn as a child, and kill() takes both
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
-        wait_until(
-            lambda: tracking.check_reachable(self.uri, timeout_s=1) is None,
-            f"mlflow server {self.uri}",
-            interval=0.5,
-            process=self.proc,
-            log=self.folder / "server.log",
-        )
-
-    def kill(self) -> None:
-        """The server dies at once, as when its machine goes away."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[MlflowServer]:
     """A started MlflowServer whose runs go to a fresh PostgreSQL database."""
-    if not _postgres_available():
-        pytest.skip("no PostgreSQL answers at 127.0.0.1:5432 (start it to run the tracking-server test)")
-    import uuid
-
-    import psycopg2
-
-    db = f"batchlab_test_{uuid.uuid4().hex[:8]}"
-    admin = psycopg2.connect(host="127.0.0.1", port=5432, user="postgres", dbname="postgres")
-    admin.autocommit = True
-    admin.cursor().execute(f"CREATE DATABASE {db}")
-    running = MlflowServer(tmp_path, db)
-    try:
-        running.start()
+    with mlflow_on_postgres(tmp_path) as running:
         yield running
-    finally:
-        running.kill()
-        admin.cursor().execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
-        admin.close()
 
 
 @pytest.fixture

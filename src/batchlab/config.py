@@ -156,6 +156,10 @@ class SweepConfig(Section):
     memory_budget_mb: Annotated[float, Field(gt=0)] | None = Field(
         None, description="MiB of tensor memory per step: report the largest batch predicted to fit"
     )
+    executor: Literal["local", "dask"] = Field(
+        "local", description="local: sweep.parallel processes here; dask: one Prefect task per experiment on a cluster"
+    )
+    dask_address: str | None = Field(None, description="dask: the scheduler's host:port (tcp://host:port)")
 
     @field_validator("batch_sizes")
     @classmethod
@@ -172,6 +176,12 @@ class SweepConfig(Section):
         if not v or any(m <= 0 for m in v) or len(set(v)) != len(v):
             raise ValueError(f"sweep.lr_multipliers must be a non-empty list of distinct positive numbers, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _executor(self) -> SweepConfig:
+        if self.executor == "dask" and not self.dask_address:
+            raise ValueError("sweep.dask_address is required when sweep.executor is dask (the scheduler's host:port)")
+        return self
 
     @field_validator("seeds")
     @classmethod

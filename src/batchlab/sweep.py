@@ -16,7 +16,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from batchlab import atomic, data, evaluate, launch, memory, report, stages, study, tracking
+from batchlab import atomic, data, evaluate, executors, launch, memory, report, stages, study, tracking
 from batchlab.config import Config, parse_config
 from batchlab.strategy import resolve_device
 from batchlab.sweep_lock import exclusive
@@ -358,10 +358,10 @@ def finish(
 
 def run_sweep(cfg: Config, paths: stages.Paths) -> dict[str, Any]:
     """Run every experiment not already finished, then write the trade-off report."""
+    executor = executors.for_sweep(cfg)  # its checks fail before anything runs
     with exclusive(paths):
         sweep = prepare(cfg, paths)
-        with parent_run(cfg, paths, sweep) as parent, ThreadPoolExecutor(max_workers=cfg.sweep.parallel) as pool:
-            futures = {e.name: pool.submit(run_experiment, cfg, e, paths, parent.run_id) for e in sweep.todo}
-            results = {name: future.result() for name, future in futures.items()}
+        with parent_run(cfg, paths, sweep) as parent:
+            results = executor.run(cfg, sweep.todo, paths, parent.run_id)
             summary = finish(cfg, paths, sweep, results, parent)
     return summary

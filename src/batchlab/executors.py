@@ -1,0 +1,48 @@
+"""Where a sweep's experiments run, decided once per sweep (`sweep.executor`).
+
+    local  `sweep.parallel` lanes on this machine, each experiment in turn (sweep.run_experiment)
+    dask   one Prefect task run per experiment on a dask.distributed cluster (sweep_dask.py)
+
+`for_sweep` checks, before anything runs, what the executor needs; `run` takes the experiments
+still to do and returns their result rows by name, as sweep.finish expects them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from batchlab.config import Config
+from batchlab.stages import Paths
+
+if TYPE_CHECKING:
+    from batchlab.sweep import Experiment
+
+Results = dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Executor:
+    name: str
+    run: Callable[[Config, list[Experiment], Paths, str | None], Results]
+
+
+def run_local(cfg: Config, todo: list[Experiment], paths: Paths, parent_run_id: str | None) -> Results:
+    """`sweep.parallel` experiments at once on this machine (each in its own process when above one)."""
+    from batchlab.sweep import run_experiment  # sweep imports this module
+
+    with ThreadPoolExecutor(max_workers=cfg.sweep.parallel) as pool:
+        futures = {e.name: pool.submit(run_experiment, cfg, e, paths, parent_run_id) for e in todo}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def for_sweep(cfg: Config) -> Executor:
+    """The executor sweep.executor names, once its preconditions hold (each failure is one line)."""
+    if cfg.sweep.executor == "dask":
+        from batchlab import sweep_dask  # prefect and distributed: imported only by a Dask sweep
+
+        sweep_dask.preflight(cfg)
+        return Executor("dask", sweep_dask.run)
+    return Executor("local", run_local)

@@ -1,0 +1,181 @@
+"""The sweep on a dask.distributed cluster: one Prefect task run per experiment on a DaskTaskRunner.
+
+Each task runs the very function the local executor runs (sweep._train_and_score), so results,
+MLflow child runs, resume and the report are the same. Before training, a task checks that its
+worker runs the same batchlab (version and source) on the same data (content hash), fetching the
+data with `dvc pull` when the worker's checkout has none. A worker killed mid-experiment: the
+scheduler runs the task again on another worker (distributed.scheduler.allowed-failures), and the
+retry continues the killed attempt's checkpoint and MLflow run when it saved one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, task
+from prefect.cache_policies import NONE
+from prefect.futures import as_completed
+
+import batchlab
+from batchlab import atomic, data, launch, orchestration, stages, sweep, tracking
+from batchlab.config import Config, ConfigError
+
+# the worker's checkout of the repo, when it is not at the path the sweep was started from
+WORKER_ROOT_ENV = "BATCHLAB_WORKER_ROOT"
+SCHEDULER_TIMEOUT_S = 5
+# what a distributed sweep's MLflow store may be: every worker writes its child runs there
+SHARED_STORES = ("http://", "https://", "postgresql", "mysql", "mssql")
+
+
+class DaskUnavailable(RuntimeError):
+    """The scheduler does not answer, or went away mid-sweep."""
+
+
+class WorkerMismatch(RuntimeError):
+    """A worker runs other code or has other data than the sweep: its results would not compare."""
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What every worker must have: the sweep's batchlab and data."""
+
+    version: str
+    code: str
+    data_hash: str
+
+
+def preflight(cfg: Config) -> None:
+    """Fail in seconds, in one line naming the fix, before any experiment or run starts."""
+    uri = tracking.resolve_uri(cfg.tracking)
+    if cfg.tracking.enabled and not uri.startswith(SHARED_STORES):
+        raise ConfigError(
+            f"sweep.executor: dask needs a tracking server every worker reaches (http(s)://host:port or a "
+            f"database URI such as postgresql://...), not {uri!r}; set MLFLOW_TRACKING_URI or tracking.tracking_uri"
+        )
+    if cfg.tracking.enabled:
+        tracking.check_reachable(uri)
+    _check_scheduler(str(cfg.sweep.dask_address))
+
+
+def _check_scheduler(address: str) -> None:
+    from distributed import Client
+
+    try:
+        with Client(address, timeout=SCHEDULER_TIMEOUT_S, set_as_default=False):
+            pass
+    except (OSError, TimeoutError) as err:
+        raise DaskUnavailable(
+            f"the Dask scheduler at {address} did not answer within {SCHEDULER_TIMEOUT_S} s "
+            f"({type(err).__name__}); start `dask scheduler` there or fix sweep.dask_address"
+        ) from None
+
+
+def expected(paths: stages.Paths) -> Expected:
+    return Expected(batchlab.__version__, sweep.code_hash(), data.load(paths.data).content_hash())
+
+
+def worker_paths(root: str, outputs: str) -> stages.Paths:
+    """The sweep's folders on this worker: its checkout (BATCHLAB_WORKER_ROOT), else the sweep's own path."""
+    here = Path(os.environ.get(WORKER_ROOT_ENV) or root)
+    return stages.Paths(root=here, out=here / outputs)
+
+
+def _pull_data(paths: stages.Paths) -> None:
+    """The prepared data from the DVC remote, when this worker's checkout has none."""
+    target = os.path.relpath(paths.data, paths.root)
+    proc = subprocess.run(["dvc", "pull", target], cwd=paths.root, capture_output=True, text=True)
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise WorkerMismatch(
+            f"worker {socket.gethostname()}: no {paths.data} and `dvc pull {target}` failed ({why}); "
+            f"`dvc push` it from the machine that made it, or share the folder ({WORKER_ROOT_ENV})"
+        )
+
+
+def check_worker(want: Expected, paths: stages.Paths) -> None:
+    """This worker runs the sweep's code on the sweep's data, or the task fails saying what differs."""
+    if not (paths.data / "dataset.json").is_file():
+        _pull_data(paths)
+    have = Expected(batchlab.__version__, sweep.code_hash(), data.load(paths.data).content_hash())
+    differ = [
+        f"{name} {getattr(have, key)} (sweep: {getattr(want, key)})"
+        for key, name in (("version", "batchlab"), ("code", "source hash"), ("data_hash", "data content hash"))
+        if getattr(have, key) != getattr(want, key)
+    ]
+    if differ:
+        raise WorkerMismatch(
+            f"worker {socket.gethostname()} differs from the sweep: {', '.join(differ)}; "
+            f"install the sweep's batchlab commit and `dvc pull` its data on every worker"
+        )
+
+
+def _worker_threads() -> int:
+    """The cores of this worker process shared by the experiments it runs at once (its --nthreads)."""
+    from distributed import get_worker
+
+    return launch.threads_per_process(get_worker().state.nthreads)
+
+
+@task(
+    name="experiment",
+    task_run_name="{exp.name}",
+    retries=2,  # a tracking server restarting; a killed worker is the scheduler's retry
+    retry_condition_fn=orchestration.retry_transient,  # never a WorkerMismatch
+    cache_policy=NONE,
+)
+def experiment(
+    cfg: Config, exp: sweep.Experiment, root: str, outputs: str, parent_run_id: str | None, want: Expected
+) -> Any:
+    paths = worker_paths(root, outputs)
+    check_worker(want, paths)
+    launch.limit_cores(_worker_threads())
+    launch.use_threads(launch.sweep_threads(cfg, data.shape(paths.data)))
+    return sweep._train_and_score(cfg, exp, paths, parent_run_id)
+
+
+@flow(name="batchlab-sweep-dask", validate_parameters=False)
+def on_cluster(
+    cfg: Config, todo: list[sweep.Experiment], paths: stages.Paths, parent_run_id: str | None, want: Expected
+) -> dict[str, dict[str, Any]]:
+    """Submit every experiment at once; the scheduler places them on free worker threads."""
+    root, outputs = str(paths.root.resolve()), os.path.relpath(paths.outputs, paths.root)
+    futures = {exp.name: experiment.submit(cfg, exp, root, outputs, parent_run_id, want) for exp in todo}
+    names = {future.task_run_id: name for name, future in futures.items()}
+    results: dict[str, dict[str, Any]] = {}
+    for done in as_completed(list(futures.values())):
+        name = names[done.task_run_id]
+        result = done.result()
+        # kept here too: a resume finds it even when the workers' folders are not this one
+        atomic.write_json(paths.outputs / "sweep" / "experiments" / name / "result.json", result)
+        results[name] = result
+    return results
+
+
+def run(cfg: Config, todo: list[sweep.Experiment], paths: stages.Paths, parent_run_id: str | None) -> Any:
+    """The experiments still to do, one Prefect task run each on the cluster at sweep.dask_address."""
+    from distributed.client import FutureCancelledError
+    from prefect_dask import DaskTaskRunner
+
+    if not todo:
+        return {}
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per Prefect API call otherwise
+    address = str(cfg.sweep.dask_address)
+    # the workers log where the sweep's runner would: its resolved URI, not their environment's default
+    uri = tracking.resolve_uri(cfg.tracking)
+    cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"tracking_uri": uri})})
+    runner = DaskTaskRunner(address=address, client_kwargs={"set_as_default": False})
+    try:
+        # DaskTaskRunner is a TaskRunner of its own future type, which with_options does not spell
+        flow_ = on_cluster.with_options(task_runner=runner)  # type: ignore[arg-type]
+        return flow_(cfg, todo, paths, parent_run_id, expected(paths))
+    except (FutureCancelledError, OSError) as err:
+        raise DaskUnavailable(
+            f"lost the Dask scheduler at {address} mid-sweep ({type(err).__name__}); the finished experiments "
+            f"are kept: run the sweep again to resume"
+        ) from None

@@ -1,0 +1,258 @@
+"""The sweep on a real Dask cluster through Prefect: `dask scheduler` + 2 `dask worker` processes,
+a `prefect server` and an `mlflow server` on PostgreSQL, all on 127.0.0.1.
+
+Worker w1 shares the sweep's folder (a shared path); worker w2 has its own clone of the repo
+without data, so it fetches the data with `dvc pull` from a directory remote."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from batchlab import stages, sweep
+from batchlab.config import load_config
+from tests.conftest import (
+    REPO,
+    TINY,
+    MlflowServer,
+    copy_repo,
+    env_with_venv,
+    free_port,
+    merge,
+    mlflow_on_postgres,
+    prefect_server,
+    run,
+    wait_until,
+    write_params,
+)
+
+SWEEP = {"batch_sizes": [16, 32], "seeds": [0], "executor": "dask"}
+TRACK = {"enabled": True, "experiment": "dask-sweep", "registered_model": ""}
+
+
+@dataclass
+class Cluster:
+    """`dask scheduler` and `dask worker` processes, each in its own process group."""
+
+    folder: Path
+    env: dict[str, str]
+    address: str = ""
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, name: str, cmd: list[str], ready: str, **env: str) -> None:
+        log = self.folder / f"{name}.log"
+        with open(log, "w") as out:
+            self.procs[name] = subprocess.Popen(
+                cmd, env={**self.env, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        wait_until(lambda: ready in log.read_text(), f"{name} to start", process=self.procs[name], log=log)
+
+    def scheduler(self) -> None:
+        port = free_port()
+        self.address = f"tcp://127.0.0.1:{port}"
+        cmd = ["dask", "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"]
+        self.start("scheduler", cmd, "Scheduler at:")
+
+    def worker(self, name: str, **env: str) -> None:
+        # one experiment at a time per worker; non-daemonic, so experiments may start torchrun
+        cmd = ["dask", "worker", self.address, "--name", name, "--nthreads", "1", "--no-dashboard"]
+        self.start(name, cmd, "Registered to:", DASK_DISTRIBUTED__WORKER__DAEMON="False", **env)
+
+    def kill(self, name: str) -> None:
+        """The worker (nanny and its process) dies at once, as when its machine goes away."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        for name in reversed(list(self.procs)):
+            self.kill(name)
+
+    def log(self, name: str) -> str:
+        return (self.folder / f"{name}.log").read_text(errors="replace")
+
+
+@dataclass
+class Setup:
+    repo: Path  # the sweep's repo: prepared data, pushed to the DVC remote
+    clone: Path  # worker w2's checkout: no data until it pulls
+    cluster: Cluster
+    mlflow: MlflowServer
+    env: dict[str, str]  # what `batchlab sweep` runs with: the Prefect and MLflow servers
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    tmp = tmp_path_factory.mktemp("dask")
+    repo = copy_repo(tmp / "repo")
+    with mlflow_on_postgres(tmp) as mlflow, prefect_server(tmp) as api:
+        params = yaml.safe_load((repo / "params.yaml").read_text())
+        write_params(repo, merge(params, {"tracking": TRACK}))
+        run(["git", "commit", "-qam", "tracked"], repo)
+        run(["dvc", "repro", "-q", "generate"], repo)
+        run(["dvc", "remote", "add", "-d", "shared", str(tmp / "dvc-remote")], repo)
+        run(["dvc", "push", "-q", "generate"], repo)
+        run(["git", "add", "-A"], repo)
+        run(["git", "commit", "-qm", "data in the remote"], repo)
+        clone = tmp / "clone"
+        run(["git", "clone", "-q", str(repo), str(clone)], tmp)
+        env = env_with_venv(PREFECT_API_URL=api, MLFLOW_TRACKING_URI=mlflow.uri)
+        cluster = Cluster(tmp, env)
+        try:
+            cluster.scheduler()
+            cluster.worker("w1")
+            cluster.worker("w2", BATCHLAB_WORKER_ROOT=str(clone))
+            yield Setup(repo, clone, cluster, mlflow, env)
+        finally:
+            cluster.stop()
+
+
+def _sweep_dir(setup: Setup, name: str, **sweep_params: Any) -> Path:
+    """A folder with the repo's params and prepared data, its sweep on the test cluster."""
+    folder = setup.repo.parent / name
+    (folder / "data").mkdir(parents=True)
+    shutil.copytree(setup.repo / "data" / "prepared", folder / "data" / "prepared")
+    params = yaml.safe_load((setup.repo / "params.yaml").read_text())
+    write_params(folder, merge(params, {"sweep": {**SWEEP, "dask_address": setup.cluster.address, **sweep_params}}))
+    return folder
+
+
+def _sweep(folder: Path, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(["batchlab", "sweep"], cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-5000:]
+    return proc
+
+
+def _f1_by_batch(folder: Path) -> dict[str, float]:
+    with open(folder / "reports" / "sweep" / "summary.csv") as f:
+        return {row["batch_size"]: float(row["test_f1_macro_mean"]) for row in csv.DictReader(f)}
+
+
+def _children(setup: Setup, folder: Path) -> tuple[Any, list[Any]]:
+    parent_id = json.loads((folder / "sweep" / "state.json").read_text())["parent_run_id"]
+    client = MlflowClient(setup.mlflow.uri)
+    experiment = client.get_experiment_by_name("dask-sweep")
+    children = client.search_runs([experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")
+    return client.get_run(parent_id), children
+
+
+@pytest.mark.slow
+def test_dask_sweep_equals_the_local_sweep_with_one_child_run_per_experiment(setup: Setup, tmp_path: Path) -> None:
+    folder = _sweep_dir(setup, "equal")
+    _sweep(folder, setup.env)
+
+    local = tmp_path / "local"
+    shutil.copytree(folder / "data", local / "data")
+    cfg = merge(yaml.safe_load((folder / "params.yaml").read_text()), {"sweep": {"executor": "local"}})
+    write_params(local, merge(cfg, {"tracking": {"enabled": False}}))
+    sweep.run_sweep(load_config(local / "params.yaml"), stages.Paths(local))
+
+    dask_f1, local_f1 = _f1_by_batch(folder), _f1_by_batch(local)
+    assert dask_f1.keys() == local_f1.keys() == {"16", "32"}
+    for batch, f1 in local_f1.items():
+        assert dask_f1[batch] == pytest.approx(f1, abs=1e-6), batch
+    parent, children = _children(setup, folder)
+    assert parent.info.status == "FINISHED"
+    assert sorted((c.info.run_name, c.info.status) for c in children) == [
+        ("sweep-bs16-seed0", "FINISHED"),
+        ("sweep-bs32-seed0", "FINISHED"),
+    ]
+    # each worker ran one: w1 in the sweep's folder, w2 in its clone on data it pulled from the remote
+    assert (setup.clone / "data" / "prepared" / "dataset.json").is_file()
+    ran_in_clone = list((setup.clone / "sweep" / "experiments").glob("*/result.json"))
+    assert len(ran_in_clone) == 1
+    # every result is in the sweep's own folder, where a resume looks for it
+    assert len(list((folder / "sweep" / "experiments").glob("*/result.json"))) == 2
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_experiment_reruns_it_on_the_other_worker(setup: Setup) -> None:
+    folder = _sweep_dir(setup, "killed", epochs=60)
+    with open(folder / "sweep.log", "w") as log:
+        proc = subprocess.Popen(["batchlab", "sweep"], cwd=folder, env=setup.env, stdout=log, stderr=log)
+    try:
+        # w2 trains in its clone: the run's sidecar appears when its MLflow run opens
+        wait_until(
+            lambda: list((setup.clone / "sweep" / "experiments").glob("*/.batchlab/checkpoints/train.pt.run")),
+            "w2 to start an experiment",
+            process=proc,
+            log=folder / "sweep.log",
+        )
+        time.sleep(1.0)
+        setup.cluster.kill("w2")
+        assert proc.wait(timeout=600) == 0, (folder / "sweep.log").read_text()[-5000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    parent, children = _children(setup, folder)
+    assert parent.info.status == "FINISHED"
+    finished = sorted(c.info.run_name for c in children if c.info.status == "FINISHED")
+    assert finished == ["sweep-bs16-seed0", "sweep-bs32-seed0"]  # no duplicate for the rerun experiment
+    assert len(children) == 3  # and the killed attempt's run, ended KILLED
+    # the survivor ran both
+    assert setup.cluster.log("w1").count("Finished in state Completed") >= 2
+
+
+def test_sqlite_tracking_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), TINY)
+    sqlite = {"enabled": True, "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    write_params(tmp_path, merge(params, {"tracking": sqlite, "sweep": {**SWEEP, "dask_address": "127.0.0.1:1"}}))
+    proc = run(["batchlab", "sweep"], tmp_path, check=False)
+    assert proc.returncode == 2
+    error = proc.stderr.strip().splitlines()
+    assert len(error) == 1 and "needs a tracking server" in error[0] and "sqlite:///" in error[0], proc.stderr
+    assert not (tmp_path / "sweep").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_unanswering_scheduler_is_refused_within_seconds(tmp_path: Path) -> None:
+    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), TINY)
+    address = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
+    write_params(tmp_path, merge(params, {"tracking": {"enabled": False}, "sweep": {**SWEEP, "dask_address": address}}))
+    proc = run(["batchlab", "sweep"], tmp_path, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"batchlab: error: the Dask scheduler at {address} did not answer within 5 s (OSError); "
+        "start `dask scheduler` there or fix sweep.dask_address"
+    ]
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.slow
+def test_worker_with_other_batchlab_and_data_is_refused_naming_both(setup: Setup, tmp_path: Path) -> None:
+    # another installation of batchlab (a version bump) and a checkout whose data came from other params
+    other_src = tmp_path / "other-src"
+    shutil.copytree(Path(stages.__file__).parent, other_src / "batchlab")
+    init = other_src / "batchlab" / "__init__.py"
+    init.write_text(init.read_text().replace('__version__ = "0.1.0"', '__version__ = "0.1.1"'))
+    other_root = tmp_path / "other-root"
+    write_params(other_root, merge(TINY, {"data": {"seed": 7}}))
+    run(["batchlab", "generate"], other_root)
+    odd = Cluster(tmp_path, {**setup.env, "PYTHONPATH": str(other_src)})
+    try:
+        odd.scheduler()
+        odd.worker("odd", BATCHLAB_WORKER_ROOT=str(other_root))
+        folder = _sweep_dir(setup, "odd", dask_address=odd.address, batch_sizes=[16])
+        proc = _sweep(folder, setup.env, check=False)
+    finally:
+        odd.stop()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("batchlab: error:")]
+    assert len(error) == 1, proc.stderr[-3000:]
+    assert "differs from the sweep: batchlab 0.1.1 (sweep: 0.1.0)" in error[0]
+    assert "data content hash" in error[0] and "source hash" in error[0]
+    assert not list((folder / "sweep" / "experiments").glob("*/result.json"))
