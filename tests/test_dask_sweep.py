@@ -23,7 +23,7 @@ import yaml
 from mlflow import MlflowClient
 
 from batchlab import stages, sweep
-from batchlab.config import load_config
+from batchlab.config import load_config, parse_config
 from tests.conftest import (
     REPO,
     TINY,
@@ -208,8 +208,15 @@ def test_worker_killed_mid_experiment_reruns_it_on_the_other_worker(setup: Setup
     assert setup.cluster.log("w1").count("Finished in state Completed") >= 2
 
 
-def test_sqlite_tracking_is_refused_before_anything_runs(tmp_path: Path) -> None:
+def _prepared(folder: Path) -> dict[str, Any]:
+    """The repo's params with TINY's, and their data prepared in `folder`."""
     params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), TINY)
+    stages.generate(parse_config(params), stages.Paths(folder))
+    return params
+
+
+def test_sqlite_tracking_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    params = _prepared(tmp_path)
     sqlite = {"enabled": True, "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     write_params(tmp_path, merge(params, {"tracking": sqlite, "sweep": {**SWEEP, "dask_address": "127.0.0.1:1"}}))
     proc = run(["batchlab", "sweep"], tmp_path, check=False)
@@ -220,7 +227,7 @@ def test_sqlite_tracking_is_refused_before_anything_runs(tmp_path: Path) -> None
 
 
 def test_unanswering_scheduler_is_refused_within_seconds(tmp_path: Path) -> None:
-    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), TINY)
+    params = _prepared(tmp_path)
     address = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
     write_params(tmp_path, merge(params, {"tracking": {"enabled": False}, "sweep": {**SWEEP, "dask_address": address}}))
     proc = run(["batchlab", "sweep"], tmp_path, check=False)
@@ -240,6 +247,7 @@ def test_worker_with_other_batchlab_and_data_is_refused_naming_both(setup: Setup
     init = other_src / "batchlab" / "__init__.py"
     init.write_text(init.read_text().replace('__version__ = "0.1.0"', '__version__ = "0.1.1"'))
     other_root = tmp_path / "other-root"
+    other_root.mkdir()
     write_params(other_root, merge(TINY, {"data": {"seed": 7}}))
     run(["batchlab", "generate"], other_root)
     odd = Cluster(tmp_path, {**setup.env, "PYTHONPATH": str(other_src)})
