@@ -17,7 +17,7 @@ from prefect.cache_policies import NONE
 from prefect.futures import PrefectFuture
 from prefect.tasks import exponential_backoff
 
-from batchlab import orchestration, stages, sweep, sweep_lock
+from batchlab import executors, orchestration, stages, sweep, sweep_lock
 from batchlab.config import Config
 from pipeline import generate  # flows/ is on sys.path when a flow file runs
 
@@ -34,6 +34,21 @@ def experiment(cfg: Config, exp: sweep.Experiment, root: str, parent_run_id: str
     return sweep.run_experiment(cfg, exp, stages.Paths(Path(root)), parent_run_id)
 
 
+def in_lanes(
+    cfg: Config, todo: list[sweep.Experiment], paths: stages.Paths, parent_run_id: str | None
+) -> dict[str, dict[str, Any]]:
+    """The local executor as Prefect tasks: `sweep.parallel` lanes, each one experiment at a time."""
+    root = str(paths.root)
+    futures: list[tuple[str, PrefectFuture[dict[str, Any]]]] = []
+    for lane in sweep.lanes(todo, cfg.sweep.parallel):
+        previous: list[PrefectFuture[dict[str, Any]]] = []
+        for exp in lane:  # one lane runs its experiments one after another
+            future = experiment.submit(cfg, exp, root, parent_run_id, wait_for=previous, return_state=False)
+            futures.append((exp.name, future))
+            previous = [future]
+    return {name: future.result() for name, future in futures}
+
+
 @flow(name="batchlab-sweep", log_prints=True)
 def batch_size_sweep(
     params: str = "params.yaml", overrides: dict[str, Any] | None = None, root: str = "."
@@ -43,16 +58,10 @@ def batch_size_sweep(
     with sweep_lock.exclusive(paths):  # the lock `batchlab sweep` takes: one sweep per folder, flow or CLI
         cfg = orchestration.resolve(params, overrides, root)
         generate.with_options(refresh_cache=orchestration.refresh_generate(cfg, root))(cfg, root)
+        executor = executors.for_sweep(cfg, local=in_lanes)  # sweep.executor: dask runs a subflow on the cluster
         study = sweep.prepare(cfg, paths)
         with sweep.parent_run(cfg, paths, study) as parent:
-            futures: list[tuple[str, PrefectFuture[dict[str, Any]]]] = []
-            for lane in sweep.lanes(study.todo, cfg.sweep.parallel):
-                previous: list[PrefectFuture[dict[str, Any]]] = []
-                for exp in lane:  # one lane runs its experiments one after another
-                    future = experiment.submit(cfg, exp, root, parent.run_id, wait_for=previous, return_state=False)
-                    futures.append((exp.name, future))
-                    previous = [future]
-            results = {name: future.result() for name, future in futures}
+            results = executor.run(cfg, study.todo, paths, parent.run_id)
             summary = sweep.finish(cfg, paths, study, results, parent)
     create_markdown_artifact(
         key="batchlab-sweep", markdown=f"**MLflow parent run:** `{study.parent_run_id}`\n\n{summary['markdown']}"

@@ -36,6 +36,13 @@ NOT_RUN = {
     ".venv/bin/batchlab predict": "needs a file of raw rows: tests/test_predict.py",
     ".venv/bin/batchlab reproduce": "needs a run id from a clean commit: tests/test_reproduce.py",
     ".venv/bin/mlflow models serve": "serves until stopped: tests/test_predict.py",
+    ".venv/bin/dask scheduler": "serves until stopped: tests/test_dask_sweep.py starts one",
+    "DASK_DISTRIBUTED__WORKER__DAEMON=False": "serves until stopped: tests/test_dask_sweep.py starts two workers",
+    ".venv/bin/dvc remote add": "S3/SSH need accounts; a directory remote: tests/test_dvc_remote.py",
+    ".venv/bin/dvc push --run-cache": "tests/test_dvc_remote.py",
+    ".venv/bin/dvc pull --run-cache": "another clone: tests/test_dvc_remote.py",
+    ".venv/bin/dvc exp push": "needs a Git remote: tests/test_dvc_remote.py",
+    ".venv/bin/dvc exp pull": "needs a Git remote: tests/test_dvc_remote.py",
 }
 
 

@@ -21,12 +21,14 @@ if TYPE_CHECKING:
     from batchlab.sweep import Experiment
 
 Results = dict[str, dict[str, Any]]
+# runs the experiments still to do and returns their result rows by name
+Runner = Callable[[Config, list["Experiment"], Paths, str | None], Results]
 
 
 @dataclass(frozen=True)
 class Executor:
     name: str
-    run: Callable[[Config, list[Experiment], Paths, str | None], Results]
+    run: Runner
 
 
 def run_local(cfg: Config, todo: list[Experiment], paths: Paths, parent_run_id: str | None) -> Results:
@@ -38,11 +40,12 @@ def run_local(cfg: Config, todo: list[Experiment], paths: Paths, parent_run_id: 
         return {name: future.result() for name, future in futures.items()}
 
 
-def for_sweep(cfg: Config) -> Executor:
-    """The executor sweep.executor names, once its preconditions hold (each failure is one line)."""
+def for_sweep(cfg: Config, local: Runner = run_local) -> Executor:
+    """The executor sweep.executor names, once its preconditions hold (each failure is one line).
+    `local`: how this caller runs experiments here (the sweep flow: as Prefect tasks in lanes)."""
     if cfg.sweep.executor == "dask":
         from batchlab import sweep_dask  # prefect and distributed: imported only by a Dask sweep
 
         sweep_dask.preflight(cfg)
         return Executor("dask", sweep_dask.run)
-    return Executor("local", run_local)
+    return Executor("local", local)
