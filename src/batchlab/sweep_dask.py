@@ -157,7 +157,9 @@ def on_cluster(
     return results
 
 
-def run(cfg: Config, todo: list[sweep.Experiment], paths: stages.Paths, parent_run_id: str | None) -> Any:
+def run(
+    cfg: Config, todo: list[sweep.Experiment], paths: stages.Paths, parent_run_id: str | None
+) -> dict[str, dict[str, Any]]:
     """The experiments still to do, one Prefect task run each on the cluster at sweep.dask_address."""
     from distributed.client import FutureCancelledError
     from prefect_dask import DaskTaskRunner
