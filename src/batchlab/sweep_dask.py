@@ -67,13 +67,15 @@ def _check_scheduler(address: str) -> None:
     from distributed import Client
 
     try:
-        with Client(address, timeout=SCHEDULER_TIMEOUT_S, set_as_default=False):
-            pass
+        with Client(address, timeout=SCHEDULER_TIMEOUT_S, set_as_default=False) as client:
+            workers = client.scheduler_info(n_workers=-1)["workers"]
     except (OSError, TimeoutError) as err:
         raise DaskUnavailable(
             f"the Dask scheduler at {address} did not answer within {SCHEDULER_TIMEOUT_S} s "
             f"({type(err).__name__}); start `dask scheduler` there or fix sweep.dask_address"
         ) from None
+    if not workers:  # the experiments would wait for one forever
+        raise DaskUnavailable(f"the Dask scheduler at {address} has no workers; start `dask worker {address}`")
 
 
 def expected(paths: stages.Paths) -> Expected:
