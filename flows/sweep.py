@@ -17,7 +17,7 @@ from prefect.cache_policies import NONE
 from prefect.futures import PrefectFuture
 from prefect.tasks import exponential_backoff
 
-from batchlab import orchestration, stages, sweep, sweep_lock
+from batchlab import launch, orchestration, stages, sweep, sweep_lock
 from batchlab.config import Config
 from pipeline import generate  # flows/ is on sys.path when a flow file runs
 
@@ -43,6 +43,7 @@ def batch_size_sweep(
     with sweep_lock.exclusive(paths):  # the lock `batchlab sweep` takes: one sweep per folder, flow or CLI
         cfg = orchestration.resolve(params, overrides, root)
         generate.with_options(refresh_cache=orchestration.refresh_generate(cfg, root))(cfg, root)
+        launch.apply_stage_threads("sweep", cfg, paths.data)  # as `batchlab sweep` does
         study = sweep.prepare(cfg, paths)
         with sweep.parent_run(cfg, paths, study) as parent:
             futures: list[tuple[str, PrefectFuture[dict[str, Any]]]] = []
