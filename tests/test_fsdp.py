@@ -1,0 +1,113 @@
+"""Real multi-process FSDP2 (`fully_shard`, gloo on CPU) through `batchlab train`, with its sharded
+(DCP) checkpoints: equal to DDP and one process, resumable after a kill, loadable at world size 1."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from batchlab import data
+from batchlab.checkpoint import SHARDED_META, latest_epoch
+from batchlab.config import load_config
+from batchlab.strategy import Strategy
+from batchlab.train import fit
+from tests.conftest import copy_repo, env_with_venv, run, set_params, wait_until
+from tests.test_ddp import DDP, _max_diff, _rank_process, _weights
+
+pytestmark = pytest.mark.slow
+FSDP = {**DDP, "strategy": "fsdp"}
+# long enough that the kills below land mid-run (a tiny epoch takes well under a second)
+LONG = {**FSDP, "epochs": 60, "batch_size": 16, "max_restarts": 1}
+CHECKPOINTS = Path(".batchlab/checkpoints")
+
+
+def _wait_for_epoch(repo: Path, epoch: int, proc: subprocess.Popen[bytes]) -> Path:
+    """The newest complete epoch folder of the sharded checkpoint, once it holds `epoch` or later."""
+
+    def reached() -> Path | None:
+        newest = latest_epoch(repo / CHECKPOINTS / "train.dcp")
+        if newest is None:
+            return None
+        meta = torch.load(newest / SHARDED_META, weights_only=True)
+        return newest if meta["state"]["epoch"] >= epoch else None
+
+    return wait_until(reached, f"a sharded checkpoint of epoch {epoch}", interval=0.05, process=proc)
+
+
+def test_fsdp_ddp_and_single_process_end_equal_and_fsdp_model_passes_onnx_parity(repo_copy: Path) -> None:
+    run(["batchlab", "generate"], repo_copy)
+    run(["batchlab", "train"], repo_copy)
+    single = _weights(repo_copy)
+    set_params(repo_copy, "train", **DDP)
+    run(["batchlab", "train"], repo_copy)
+    ddp = _weights(repo_copy)
+    set_params(repo_copy, "train", **FSDP)
+    out = run(["batchlab", "train"], repo_copy)
+    fsdp = _weights(repo_copy)
+    # 4 epochs x 13 steps of AdamW on a global batch of 32 (16 rows per rank)
+    assert _max_diff(single, fsdp) < 1e-5 and _max_diff(ddp, fsdp) < 1e-5
+    assert out.stderr.count("epoch 4/4") == 1  # only rank 0 reports
+    assert not (repo_copy / CHECKPOINTS / "train.dcp").exists()  # a finished training leaves no checkpoint
+    run(["batchlab", "export"], repo_copy)  # fails unless onnxruntime agrees with torch within export.atol
+    report = json.loads((repo_copy / "reports/export.json").read_text())
+    assert report["max_abs_diff"] <= report["atol"]
+
+
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A repo whose params train 60 epochs on 2 FSDP ranks, and the weights of an uninterrupted run."""
+    repo = copy_repo(tmp_path_factory.mktemp("fsdp") / "repo")
+    set_params(repo, "train", **LONG)
+    run(["batchlab", "generate"], repo)
+    run(["batchlab", "train"], repo)
+    expected = _weights(repo)
+    (repo / "models/model.pt").unlink()
+    return repo, expected
+
+
+def test_killed_fsdp_rank_resumes_from_the_sharded_checkpoint_to_the_same_weights(
+    long_run: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
+    repo, expected = long_run
+    launcher = subprocess.Popen(["batchlab", "train"], cwd=repo, env=env_with_venv(), stderr=subprocess.PIPE)
+    _wait_for_epoch(repo, 3, launcher)
+    _rank_process(launcher, 1).kill()
+    _, err = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, err.decode()[-3000:]
+    assert "resuming from" in err.decode() and "train.dcp/epoch-" in err.decode()
+    assert _max_diff(expected, _weights(repo)) == 0.0
+
+
+def test_sharded_checkpoint_of_two_ranks_resumes_in_one_process(
+    long_run: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    repo, expected = long_run
+    launcher = subprocess.Popen(["batchlab", "train"], cwd=repo, env=env_with_venv(), stderr=subprocess.DEVNULL)
+    try:
+        saved = _wait_for_epoch(repo, 2, launcher)
+        ranks = [_rank_process(launcher, r) for r in (0, 1)]
+        for proc in ranks:  # frozen: the folder stays as it is while it is copied
+            proc.suspend()
+        folder = tmp_path / "checkpoints" / "train.dcp"
+        shutil.copytree(saved, folder / saved.name)
+    finally:
+        for proc in psutil.Process(launcher.pid).children(recursive=True):
+            proc.kill()
+        launcher.kill()
+        launcher.wait()
+    cfg = load_config(repo / "params.yaml")  # fsdp on 2 ranks: the fingerprint the checkpoint was saved with
+    torch.set_num_threads(1)
+    one = Strategy(torch.device("cpu"), sharded=True)  # world size 1: unsharded, whole batch in one process
+    with caplog.at_level(logging.INFO, logger="batchlab.sharded"):
+        result = fit(cfg, data.load(repo / "data/prepared"), one, checkpoint=folder.with_suffix(".pt"))
+    assert "resuming from" in caplog.text
+    assert len(result.history) == 60
+    weights = {k: v.detach() for k, v in result.model.state_dict().items()}
+    assert _max_diff(expected, weights) < 1e-5
