@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -132,7 +133,9 @@ class ShardedCheckpoint:
                 log.info("ignoring %s: it was written for other params or data", newest)
             elif meta is not None and newest is not None:
                 state = self._load(trainee, newest, meta)
-        except Exception as err:  # DCP raises CheckpointException on every rank when one failed to read
+        # a torn or foreign file; DCP raises its CheckpointException (a BaseException) on every rank
+        # when any rank failed to read
+        except (Exception, CheckpointException) as err:
             self._set_aside(newest, type(err).__name__)
             state = None
         if not self._everyone(state is not None, device):  # all ranks resume, or none does
@@ -145,7 +148,7 @@ class ShardedCheckpoint:
         model_sd, optim_sd = get_state_dict(trainee.model, trainee.optimizer)
         best = copy.deepcopy(trainee.model.state_dict())  # sharded like the model: DCP loads in place
         saved = {"model": model_sd, "optimizer": optim_sd, "best_model": best}
-        dcp.load(saved, checkpoint_id=folder)
+        dcp.load(saved, checkpoint_id=folder, no_dist=self._alone)
         trainee.model.load_state_dict(best)  # checks the best weights fit too
         # DCP loaded into these dicts in place
         set_state_dict(trainee.model, trainee.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
@@ -166,7 +169,7 @@ class ShardedCheckpoint:
         self._barrier()
         tmp.mkdir(parents=True, exist_ok=True)
         model_sd, optim_sd = get_state_dict(trainee.model, trainee.optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd, "best_model": trainee.best_weights}, checkpoint_id=tmp)
+        dcp.save({"model": model_sd, "optimizer": optim_sd, "best_model": trainee.best_weights}, checkpoint_id=tmp, no_dist=self._alone)
         if self.is_main:  # dcp.save returns once rank 0 wrote .metadata after every rank's shards
             meta = {"fingerprint": self.fingerprint, "state": asdict(state),
                     "schedule": trainee.schedule.state_dict(), "scaler": trainee.scaler.state_dict()}  # fmt: skip
@@ -187,13 +190,18 @@ class ShardedCheckpoint:
             os.replace(self.path, damaged)
         log.warning("checkpoint %s is damaged (%s); moved it to %s, training from the start", folder, reason, damaged)
 
+    @property
+    def _alone(self) -> bool:
+        """One process (world size 1): no collectives, and DCP is told so instead of warning each time."""
+        return self.world_size == 1 or not dist.is_initialized()
+
     def _everyone(self, ok: bool, device: torch.device) -> bool:
-        if self.world_size == 1 or not dist.is_initialized():
+        if self._alone:
             return ok
         flag = torch.tensor(1 if ok else 0, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
     def _barrier(self) -> None:
-        if self.world_size > 1 and dist.is_initialized():
+        if not self._alone:
             dist.barrier()
