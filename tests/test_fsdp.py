@@ -24,7 +24,7 @@ from tests.test_ddp import DDP, _max_diff, _rank_process, _weights
 pytestmark = pytest.mark.slow
 FSDP = {**DDP, "strategy": "fsdp"}
 # long enough that the kills below land mid-run: an epoch (13 steps and a DCP save) takes ~0.3 s
-LONG = {**FSDP, "epochs": 20, "max_restarts": 1}
+LONG = {**FSDP, "epochs": 16, "max_restarts": 1}
 CHECKPOINTS = Path(".batchlab/checkpoints")
 
 
@@ -62,7 +62,7 @@ def test_fsdp_ddp_and_single_process_end_equal_and_fsdp_model_passes_onnx_parity
 
 @pytest.fixture(scope="module")
 def long_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
-    """A repo whose params train 20 epochs on 2 FSDP ranks, and the weights of an uninterrupted run."""
+    """A repo whose params train 16 epochs on 2 FSDP ranks, and the weights of an uninterrupted run."""
     repo = copy_repo(tmp_path_factory.mktemp("fsdp") / "repo")
     set_params(repo, "train", **LONG)
     run(["batchlab", "generate"], repo)
@@ -77,7 +77,7 @@ def test_killed_fsdp_rank_resumes_from_the_sharded_checkpoint_to_the_same_weight
 ) -> None:
     repo, expected = long_run
     launcher = subprocess.Popen(["batchlab", "train"], cwd=repo, env=env_with_venv(), stderr=subprocess.PIPE)
-    _wait_for_epoch(repo, 3, launcher)
+    _wait_for_epoch(repo, 2, launcher)
     _rank_process(launcher, 1).kill()
     _, err = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, err.decode()[-3000:]
@@ -108,7 +108,7 @@ def test_sharded_checkpoint_of_two_ranks_resumes_in_one_process(
     with caplog.at_level(logging.INFO, logger="batchlab.sharded"):
         result = fit(cfg, data.load(repo / "data/prepared"), one, checkpoint=folder.with_suffix(".pt"))
     assert "resuming from" in caplog.text
-    assert len(result.history) == 20
+    assert len(result.history) == 16
     weights = {k: v.detach() for k, v in result.model.state_dict().items()}
     assert _max_diff(expected, weights) < 1e-5
 

@@ -127,6 +127,7 @@ class ShardedCheckpoint:
         is none, it is another run's, or any rank could not load it. On None `trainee` may be partly loaded."""
         newest = latest_epoch(self.path) if self.path is not None else None
         state: TrainState | None = None
+        failure = None
         try:
             meta = torch.load(newest / SHARDED_META, weights_only=True) if newest is not None else None
             if meta is not None and meta.get("fingerprint") != self.fingerprint:
@@ -136,12 +137,12 @@ class ShardedCheckpoint:
         # a torn or foreign file; DCP raises its CheckpointException (a BaseException) on every rank
         # when any rank failed to read
         except (Exception, CheckpointException) as err:
-            self._set_aside(newest, type(err).__name__)
-            state = None
+            failure = type(err).__name__
         if not self._everyone(state is not None, device):  # all ranks resume, or none does
+            if failure is not None:  # moved once every rank is done reading it
+                self._set_aside(newest, failure)
             return None
-        if state is not None:
-            log.info("resuming from %s at epoch %d", newest, state.epoch)
+        log.info("resuming from %s at epoch %d", newest, state.epoch if state else -1)
         return state
 
     def _load(self, trainee: Trainee, folder: Path, meta: dict[str, Any]) -> TrainState:
@@ -163,13 +164,12 @@ class ShardedCheckpoint:
         if self.path is None:
             return
         final = self.path / f"epoch-{state.epoch:04d}"
+        # a .tmp left by a killed run is overwritten: its .metadata, written last, names the shards read
         tmp = final.with_suffix(".tmp")
-        if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run
-        self._barrier()
         tmp.mkdir(parents=True, exist_ok=True)
         model_sd, optim_sd = get_state_dict(trainee.model, trainee.optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd, "best_model": trainee.best_weights}, checkpoint_id=tmp, no_dist=self._alone)
+        shards = {"model": model_sd, "optimizer": optim_sd, "best_model": trainee.best_weights}
+        dcp.save(shards, checkpoint_id=tmp, no_dist=self._alone)
         if self.is_main:  # dcp.save returns once rank 0 wrote .metadata after every rank's shards
             meta = {"fingerprint": self.fingerprint, "state": asdict(state),
                     "schedule": trainee.schedule.state_dict(), "scaler": trainee.scaler.state_dict()}  # fmt: skip
@@ -201,7 +201,3 @@ class ShardedCheckpoint:
         flag = torch.tensor(1 if ok else 0, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
-
-    def _barrier(self) -> None:
-        if not self._alone:
-            dist.barrier()
