@@ -193,8 +193,9 @@ class Strategy:
         self._noise = noise if noise is not None and noise.enabled else None
         self._probe, self._step_rows = None, 0
         if self.fsdp:
-            if self._noise is not None:
+            if self._noise is not None and self.is_main:
                 log.info("gns: not measured under fsdp (no cheap per-rank gradient to compare with); gns.* not logged")
+            if self._noise is not None:
                 self._noise.enabled, self._noise = False, None
             return model
         if self.is_distributed:
