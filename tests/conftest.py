@@ -138,8 +138,12 @@ def write_params(folder: Path, cfg: dict[str, Any], name: str = "params.yaml") -
 @pytest.fixture
 def repo_copy(tmp_path: Path) -> Path:
     """The repo's tracked files in a fresh git + DVC repo, with tiny params."""
+    return copy_repo(tmp_path / "repo")
+
+
+def copy_repo(dest: Path) -> Path:
+    """The repo's tracked files at `dest`, in a fresh git + DVC repo, with tiny params."""
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    dest = tmp_path / "repo"
     for rel in files:
         src = REPO / rel
         if src.is_file():

@@ -1,4 +1,4 @@
-"""Where training processes start: torchrun for DDP (so no stage needs a special command), and how
+"""Where training processes start: torchrun for DDP and FSDP (so no stage needs a special command), and how
 many threads each process runs."""
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def launch_command(cfg: TrainConfig, stage_args: list[str]) -> list[str]:
 
 def uses_torchrun(cfg: TrainConfig) -> bool:
     """Whether training starts ranks through torchrun, or runs in the calling process."""
-    return cfg.strategy == "ddp"
+    return cfg.strategy != "single"
 
 
 def launch(cfg: TrainConfig, stage_args: list[str], cwd: Path, run_id: str | None) -> None:

@@ -86,6 +86,7 @@ def train_worker(
     """One training process: the only one, or one rank under torchrun. Rank 0 writes the outputs."""
     import torch
 
+    from batchlab.checkpoint import discard
     from batchlab.model import save_model
     from batchlab.strategy import session
     from batchlab.train import fit
@@ -111,7 +112,7 @@ def train_worker(
             summary = {"best_epoch": result.best_epoch, "epochs_run": len(result.history),
                        "stopped_early": result.stopped_early, "torch_threads": torch.get_num_threads()}  # fmt: skip
             atomic.write_json(paths.reports / "train_summary.json", summary)
-            paths.checkpoint.unlink(missing_ok=True)
+            discard(paths.checkpoint)  # the file, or the sharded folder beside it
 
 
 def _rank_args(cfg: Config, paths: Paths) -> list[str]:
@@ -132,7 +133,7 @@ def train(
     tags: dict[str, str] | None = None,
     dataset: data.Dataset | None = None,
 ) -> dict[str, Any]:
-    """Train on the prepared data, in this process or, under `strategy: ddp`, on ranks started by torchrun."""
+    """Train on the prepared data, in this process or, under `strategy: ddp|fsdp`, on ranks started by torchrun."""
     from batchlab import resume
     from batchlab.model import load_model
     from batchlab.strategy import check_supported, describe

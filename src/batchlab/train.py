@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchlab.checkpoint import Checkpoint, Trainee, TrainState
+from batchlab.checkpoint import Trainee, TrainState
 from batchlab.config import Config, TrainConfig
 from batchlab.data import Dataset, Split
 from batchlab.gns import NoiseScale, Trajectory
@@ -189,7 +189,7 @@ def fit(
             f"the strategy accumulates {strategy.grad_accum_steps} micro-batches per step, "
             f"train.grad_accum_steps is {tc.grad_accum_steps}: build it with Strategy.from_config"
         )
-    saved = Checkpoint(checkpoint, fingerprint(cfg, dataset), strategy.is_main)
+    saved = strategy.checkpoint(checkpoint, fingerprint(cfg, dataset))
     trainee, initial_scaler = _trainee(cfg, dataset, strategy, steps), strategy.scaler.state_dict()
     state = saved.restore(trainee, strategy.device)
     if state is None:  # nothing to resume: a fresh start (a failed restore may have loaded part)
@@ -261,8 +261,8 @@ def fit(
             trainee.keep_best()
         if strategy.is_main:
             tracker.log_epoch(row, step=epoch + 1)
-            saved.save(trainee, state)
             _report(bar, row, tc.epochs)
+        saved.save(trainee, state)  # every rank: a sharded checkpoint holds each rank's shards
     if bar is not None:
         bar.close()
     if state.best_epoch < 0:  # the weights were never better than "no model": nothing to return
@@ -270,7 +270,7 @@ def fit(
             f"validation loss was never finite in {state.epoch} epochs; {_likely_cause(dataset, strategy)}"
         )
     model.load_state_dict(trainee.best_weights)
-    model.eval()
+    model = strategy.unwrap(model).eval()
     stopped_early = len(state.history) < tc.epochs
     return TrainResult(
         model=model,
@@ -282,8 +282,8 @@ def fit(
 
 
 def _trainee(cfg: Config, dataset: Dataset, strategy: Strategy, steps: int) -> Trainee:
-    """The initial model on the device, its optimizer and schedule, and the strategy's scaler."""
-    model = initial_model(cfg, dataset.n_features, dataset.n_classes).to(strategy.device)
+    """The initial model on the device (sharded under FSDP), its optimizer and schedule, and the strategy's scaler."""
+    model = strategy.prepare(initial_model(cfg, dataset.n_features, dataset.n_classes).to(strategy.device))
     optimizer = make_optimizer(cfg.train, model.parameters())
     schedule = make_schedule(cfg.train, optimizer, steps)
     return Trainee(model, optimizer, schedule, strategy.scaler, copy.deepcopy(model.state_dict()))
