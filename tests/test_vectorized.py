@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from batchlab import gns, seed_group, stages, sweep, vectorized
 from batchlab.config import Config
-from batchlab.data import Dataset
+from batchlab.data import Dataset, Split
 from batchlab.strategy import Strategy
 from batchlab.train import TrainResult, fit
 from tests.conftest import tiny_config
@@ -72,6 +74,17 @@ def test_early_stopping_stops_each_seed_at_its_own_epoch(tiny_dataset: Dataset) 
     separate = [fit(cfg, tiny_dataset, Strategy(CPU)) for cfg in cfgs]
     assert len({len(r.history) for r in separate}) > 1  # the seeds stop at different epochs
     for a, b in zip(separate, vectorized.fit_seeds(cfgs, tiny_dataset, Strategy(CPU)), strict=True):
+        _assert_same(a, b)
+
+
+def test_a_step_one_seed_skips_leaves_the_others_stepping(tiny_dataset: Dataset, probe_often: None) -> None:
+    x = tiny_dataset.train.x.copy()
+    x[7] = np.nan  # one row: each seed meets it at its own step of every epoch, and skips that step
+    dataset = replace(tiny_dataset, train=Split(x, tiny_dataset.train.y))
+    cfgs = _configs()
+    separate = [fit(cfg, dataset, Strategy(CPU)) for cfg in cfgs]
+    assert all(row["nonfinite_steps"] == 1 for r in separate for row in r.history)
+    for a, b in zip(separate, vectorized.fit_seeds(cfgs, dataset, Strategy(CPU)), strict=True):
         _assert_same(a, b)
 
 

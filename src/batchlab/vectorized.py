@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,17 +36,15 @@ from batchlab.checkpoint import Checkpoint, Trainee, TrainState
 from batchlab.config import Config
 from batchlab.data import Dataset
 from batchlab.gns import NoiseScale, PerExampleProbe
+from batchlab.seed_optimizer import SeedOptimizer
 from batchlab.strategy import Strategy, seeds_train_apart
 from batchlab.tracking import Tracker
 from batchlab.train import (
     NonFiniteError,
-    Schedule,
     TrainResult,
     epoch_stats,
     fingerprint,
     likely_cause,
-    make_optimizer,
-    make_schedule,
     new_trainee,
     split_tensors,
     steps_per_epoch,
@@ -56,10 +53,6 @@ from batchlab.train import (
 from batchlab.validate import batch_fits
 
 log = logging.getLogger(__name__)
-
-# a stacked weight's gradient is a strided view of the [S, P] buffer (each seed's row holds its
-# whole gradient, so its norm is one op); autograd adds into it in place, and only warns
-warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
 
 
 @dataclass
@@ -119,9 +112,8 @@ def fit_seeds(
     batch_fits(tc.batch_size, n_train, "train.batch_size")
     seeds = _restore(cfgs, dataset, strategy, steps, trackers or [Tracker() for _ in cfgs], checkpoints)
     group = _Group(seeds, strategy)
-    optimizer = make_optimizer(tc, [p for seed in seeds for p in seed.params])
-    schedule = make_schedule(tc, optimizer, steps)
-    _gather(seeds, optimizer, schedule)
+    optimizer = SeedOptimizer(tc, list(group.weights.values()), [seed.params for seed in seeds], steps)
+    optimizer.load_from([seed.trainee for seed in seeds])
     x_train, y_train = split_tensors(dataset.train, strategy.device)
     x_val, y_val = split_tensors(dataset.val, strategy.device)
     first = seeds[0].state.epoch
@@ -147,8 +139,9 @@ def fit_seeds(
             rows = rows.to(strategy.device)
             inputs, targets = x_train[rows], y_train[rows]
             losses.append(group.backward(inputs, targets))
-            norms.append(group.step(optimizer))
-            schedule.step()
+            norms.append(group.measure())
+            optimizer.step(group.stepping(norms[-1]))
+            group.zero_grad()
             done = epoch * steps + step + 1
             if tc.eval_every_steps and done % tc.eval_every_steps == 0:
                 scoring = time.perf_counter()
@@ -163,8 +156,8 @@ def fit_seeds(
         for i, seed in enumerate(seeds):
             if seed.active:
                 figures = _EpochFigures(step_losses[:, i], step_norms[:, i], [(n, v[i]) for n, v in scored], seconds)
-                _finish_epoch(seed, epoch, figures, logits[i], y_val, optimizer, dataset, strategy)
-        _scatter(seeds, optimizer, schedule)
+                _finish_epoch(seed, epoch, figures, logits[i], y_val, optimizer.lr, dataset, strategy)
+        optimizer.save_to([seed.trainee for seed in seeds])
         for seed in active:
             if strategy.is_main:
                 seed.checkpoint.save(seed.trainee, seed.state)
@@ -210,20 +203,20 @@ class _Group:
         strategy.reset_peak_memory()
         self.layers = list(seeds[0].trainee.model.children())  # a Sequential of Linear, activation, Dropout
         self.weights, _ = stack_module_state([s.trainee.model for s in seeds])
-        total = sum(w[0].numel() for w in self.weights.values())
-        self.flat_grads = torch.zeros(len(seeds), total, device=strategy.device)
-        self.seed_grads: list[list[torch.Tensor]] = [[] for _ in seeds]
+        # gradients as views of one buffer, as Strategy.setup does: zeroing is one op. A parameter's
+        # block holds its [S, ...] gradient contiguously (the fused optimizers need that)
+        self.flat_grads = torch.zeros(sum(w.numel() for w in self.weights.values()), device=strategy.device)
+        self.blocks: list[torch.Tensor] = []  # [S, n] per parameter
         offset = 0
         for name, stacked in self.weights.items():
-            n = stacked[0].numel()
-            # gradients as views of one buffer, as Strategy.setup does: a seed's norm and the zeroing are one op
-            stacked.grad = self.flat_grads[:, offset : offset + n].view_as(stacked)
+            block = self.flat_grads[offset : offset + stacked.numel()].view(len(seeds), -1)
+            stacked.grad = block.view_as(stacked)
+            self.blocks.append(block)
             for i, seed in enumerate(seeds):
                 param = seed.trainee.model.get_parameter(name)
                 param.data = stacked.detach()[i]  # the seed's module and optimizer see the stacked weights
-                param.grad = self.flat_grads[i, offset : offset + n].view_as(param)
-                self.seed_grads[i].append(param.grad)
-            offset += n
+                param.grad = block[i].view_as(param)
+            offset += stacked.numel()
         for seed in seeds:
             if seed.noise.enabled:  # after the views: the probe reads the live weights
                 seed.probe = PerExampleProbe(seed.trainee.model, F.cross_entropy, rng=seed.dropout)
@@ -258,24 +251,22 @@ class _Group:
                 seed.probe.after_backward(seed.noise.steps + 1, inputs[i], targets[i])
         return loss.detach()
 
-    def step(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """Measure each seed's gradient norm (and noise scale), step the seeds whose norm is finite, zero."""
-        norms = torch.linalg.vector_norm(self.flat_grads, dim=1)
+    def measure(self) -> torch.Tensor:
+        """Each seed's gradient norm, [S], given with the probe's measurement to its noise scale."""
+        # a seed's gradient lies in every parameter's block: the norm of its per-block norms
+        norms = torch.linalg.vector_norm(torch.stack([b.norm(dim=1) for b in self.blocks], dim=1), dim=1)
         for i, seed in enumerate(self.seeds):
             if seed.probe is not None and seed.active:
                 seed.noise.record_step(norms[i], seed.probe.small(seed.noise.steps + 1, 1.0), self.rows)
-        finite = torch.isfinite(norms).tolist()  # on the CPU reading a value costs no sync
-        skipped = [i for i, seed in enumerate(self.seeds) if not (seed.active and finite[i])]
-        if len(skipped) < len(self.seeds):
-            for i in skipped:  # a parameter without a gradient is left alone, its Adam step count too
-                for param in self.seeds[i].params:
-                    param.grad = None
-            optimizer.step()
-            for i in skipped:
-                for param, grad in zip(self.seeds[i].params, self.seed_grads[i], strict=True):
-                    param.grad = grad
-        self.flat_grads.zero_()
         return norms
+
+    def stepping(self, norms: torch.Tensor) -> list[bool]:
+        """The seeds that take this step: still training, with a finite gradient (`fit` skips the others)."""
+        finite = torch.isfinite(norms).tolist()  # on the CPU reading a value costs no sync
+        return [seed.active and ok for seed, ok in zip(self.seeds, finite, strict=True)]
+
+    def zero_grad(self) -> None:
+        self.flat_grads.zero_()
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
@@ -304,7 +295,7 @@ def _finish_epoch(
     figures: _EpochFigures,
     val_logits: torch.Tensor,
     y_val: torch.Tensor,
-    optimizer: torch.optim.Optimizer,
+    lr: float,
     dataset: Dataset,
     strategy: Strategy,
 ) -> None:
@@ -330,34 +321,12 @@ def _finish_epoch(
         "grad_norm_mean": stats.norm_mean,
         "grad_norm_var": stats.norm_var,
         "nonfinite_steps": float(stats.nonfinite),
-        "lr": float(optimizer.param_groups[0]["lr"]),
+        "lr": lr,
         **noise.metrics(),
     }
     if state.record(row, stats.last_nonfinite_run):
         seed.trainee.keep_best()
     seed.tracker.log_epoch(row, step=epoch + 1)
-
-
-def _gather(seeds: list[Seed], optimizer: torch.optim.Optimizer, schedule: Schedule) -> None:
-    """The group's optimizer and schedule take up the seeds' (restored or fresh) state."""
-    for seed in seeds:
-        for param in seed.params:
-            if param in seed.trainee.optimizer.state:
-                optimizer.state[param] = seed.trainee.optimizer.state[param]
-    first = seeds[0].trainee
-    optimizer.param_groups[0].update({k: v for k, v in first.optimizer.param_groups[0].items() if k != "params"})
-    schedule.load_state_dict(first.schedule.state_dict())
-
-
-def _scatter(seeds: list[Seed], optimizer: torch.optim.Optimizer, schedule: Schedule) -> None:
-    """Each seed's optimizer and schedule as a separate run's would be now: what its checkpoint saves."""
-    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-    for seed in seeds:
-        mine = seed.trainee.optimizer
-        mine.state.clear()
-        mine.state.update({p: optimizer.state[p] for p in seed.params if p in optimizer.state})
-        mine.param_groups[0].update(group)
-        seed.trainee.schedule.load_state_dict(schedule.state_dict())
 
 
 def _result(seed: Seed, dataset: Dataset, strategy: Strategy) -> TrainResult:
