@@ -126,15 +126,14 @@ class EpochStats:
     last_nonfinite_run: int
 
 
-def epoch_stats(
-    losses: list[torch.Tensor], norms: list[torch.Tensor], strategy: Strategy, run_before: int
-) -> EpochStats:
-    """Mean train loss over ranks, and the gradient norm's mean/variance over the finite steps.
+def epoch_stats(losses: torch.Tensor, norms: torch.Tensor, strategy: Strategy, run_before: int) -> EpochStats:
+    """Mean train loss over ranks, and the gradient norm's mean/variance over the finite steps
+    (`losses`, `norms`: one value per step).
 
     Runs of non-finite steps continue the `run_before` steps that ended the previous epoch.
     """
-    train_loss = strategy.mean_across_ranks(torch.stack(losses).float().mean()).item()
-    norm = torch.stack(norms).float().cpu()
+    train_loss = strategy.mean_across_ranks(losses.float().mean()).item()
+    norm = norms.float().cpu()
     finite = torch.isfinite(norm)
     ok = norm[finite]
     worst = run = run_before
@@ -235,7 +234,7 @@ def fit(
                 net.train()  # predict_logits left the model in eval mode
                 scoring_seconds += time.perf_counter() - scoring
         # one host sync per epoch: the step's figures stay on the device until here
-        stats = epoch_stats(losses, norms, strategy, state.nonfinite_run)
+        stats = epoch_stats(torch.stack(losses), torch.stack(norms), strategy, state.nonfinite_run)
         state.val_curve += val_curve_points(scored, noise.settle(), tc.batch_size)
         state.noise_scale = noise.state_dict()
         seconds = time.perf_counter() - started - scoring_seconds

@@ -60,6 +60,7 @@ class Seed:
     """One seed of the group: what `fit` holds for a separate run."""
 
     cfg: Config
+    index: int  # its place in the stacked tensors
     trainee: Trainee  # its optimizer and schedule are kept in step with the group's for its checkpoint
     state: TrainState
     checkpoint: Checkpoint
@@ -123,10 +124,12 @@ def fit_seeds(
             seed.active = seed.active and not seed.state.should_stop(tc.early_stopping_patience)
         if not any(seed.active for seed in seeds):
             break
-        orders = [
-            torch.randperm(n_train, generator=torch.Generator().manual_seed(s.cfg.train.seed * 100_003 + epoch))
-            for s in seeds
-        ]
+        orders = torch.stack(
+            [
+                torch.randperm(n_train, generator=torch.Generator().manual_seed(s.cfg.train.seed * 100_003 + epoch))
+                for s in seeds
+            ]
+        ).to(strategy.device)
         for seed in seeds:
             seed.dropout.manual_seed(seed.cfg.train.seed * 7919 + epoch * 131 + strategy.rank)
         losses: list[torch.Tensor] = []  # [S] per step
@@ -135,9 +138,10 @@ def fit_seeds(
         scoring_seconds = 0.0
         started = time.perf_counter()
         for step in range(steps):
-            rows = torch.stack([order[step * tc.batch_size : (step + 1) * tc.batch_size] for order in orders])
-            rows = rows.to(strategy.device)
-            inputs, targets = x_train[rows], y_train[rows]
+            rows = orders[:, step * tc.batch_size : (step + 1) * tc.batch_size]
+            # index_select: the same rows as x_train[rows], at a fraction of advanced indexing's cost
+            inputs = x_train.index_select(0, rows.flatten()).view(*rows.shape, -1)
+            targets = y_train.index_select(0, rows.flatten()).view(rows.shape)
             losses.append(group.backward(inputs, targets))
             norms.append(group.measure())
             optimizer.step(group.stepping(norms[-1]))
@@ -180,18 +184,21 @@ def _restore(
         Checkpoint(path, fingerprint(cfg, dataset), strategy.is_main) for cfg, path in zip(cfgs, paths, strict=True)
     ]
     trainees = [new_trainee(cfg, dataset, strategy, steps) for cfg in cfgs]
+    found = [c.path is not None and c.path.is_file() for c in saved]  # restore may move a damaged one
     states = [checkpoint.restore(trainee, strategy.device) for checkpoint, trainee in zip(saved, trainees, strict=True)]
     if len({0 if state is None else state.epoch for state in states}) > 1:
         # one stacked model steps every seed at once: they start from one epoch
         log.warning("the seeds' checkpoints hold different epochs; training every seed of the group from the start")
         states = [None for _ in cfgs]
-    seeds = []
-    for cfg, checkpoint, trainee, state, tracker in zip(cfgs, saved, trainees, states, trackers, strict=True):
-        if state is None:  # a failed restore may have loaded part: build it again
-            trainee, state = new_trainee(cfg, dataset, strategy, steps), TrainState()
+    seeds: list[Seed] = []
+    for cfg, checkpoint, trainee, state, tracker, tried in zip(
+        cfgs, saved, trainees, states, trackers, found, strict=True
+    ):
+        if state is None:  # a restore that failed may have loaded part: build it again
+            trainee, state = new_trainee(cfg, dataset, strategy, steps) if tried else trainee, TrainState()
         noise = NoiseScale(enabled=cfg.train.gns, population=dataset.train.y.shape[0])
         noise.load_state_dict(state.noise_scale)
-        seeds.append(Seed(cfg, trainee, state, checkpoint, tracker, noise, torch.Generator()))
+        seeds.append(Seed(cfg, len(seeds), trainee, state, checkpoint, tracker, noise, torch.Generator()))
     return seeds
 
 
@@ -201,8 +208,14 @@ class _Group:
     def __init__(self, seeds: list[Seed], strategy: Strategy) -> None:
         self.seeds, self.strategy, self.rows = seeds, strategy, 0
         strategy.reset_peak_memory()
-        self.layers = list(seeds[0].trainee.model.children())  # a Sequential of Linear, activation, Dropout
         self.weights, _ = stack_module_state([s.trainee.model for s in seeds])
+        # the Sequential's layers, looked up once: (weight, bias) of a Linear, a Dropout's p, an activation
+        self.plan: list[tuple[tuple[torch.Tensor, torch.Tensor] | None, float | None, nn.Module | None]] = []
+        for index, layer in enumerate(seeds[0].trainee.model.children()):
+            if isinstance(layer, nn.Linear):
+                self.plan.append(((self.weights[f"{index}.weight"], self.weights[f"{index}.bias"]), None, None))
+            else:
+                self.plan.append((None, layer.p, None) if isinstance(layer, nn.Dropout) else (None, None, layer))
         # gradients as views of one buffer, as Strategy.setup does: zeroing is one op. A parameter's
         # block holds its [S, ...] gradient contiguously (the fused optimizers need that)
         self.flat_grads = torch.zeros(sum(w.numel() for w in self.weights.values()), device=strategy.device)
@@ -225,18 +238,18 @@ class _Group:
         """Logits [S, rows, classes] of inputs [S, rows, features]; in training each seed's dropout
         masks come from its generator exactly as F.dropout draws them (bernoulli_, then / (1 - p))."""
         h = x
-        for index, layer in enumerate(self.layers):
-            if isinstance(layer, nn.Linear):
-                w, b = self.weights[f"{index}.weight"], self.weights[f"{index}.bias"]
+        for linear, dropout, activation in self.plan:
+            if linear is not None:
+                w, b = linear
                 h = torch.baddbmm(b.unsqueeze(1), h, w.transpose(1, 2))
-            elif isinstance(layer, nn.Dropout):
-                if train and layer.p > 0:
+            elif dropout is not None:
+                if train and dropout > 0:
                     mask = torch.empty_like(h)
-                    for i, seed in enumerate(self.seeds):
-                        mask[i].bernoulli_(1 - layer.p, generator=seed.dropout)
-                    h = h * mask.div_(1 - layer.p)
-            else:  # the activation: elementwise
-                h = layer(h)
+                    for seed in self.seeds:
+                        mask[seed.index].bernoulli_(1 - dropout, generator=seed.dropout)
+                    h = h * mask.div_(1 - dropout)
+            elif activation is not None:  # elementwise
+                h = activation(h)
         return h
 
     def backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -254,7 +267,8 @@ class _Group:
     def measure(self) -> torch.Tensor:
         """Each seed's gradient norm, [S], given with the probe's measurement to its noise scale."""
         # a seed's gradient lies in every parameter's block: the norm of its per-block norms
-        norms = torch.linalg.vector_norm(torch.stack([b.norm(dim=1) for b in self.blocks], dim=1), dim=1)
+        per_block = torch.stack([torch.linalg.vector_norm(b, dim=1) for b in self.blocks], dim=1)
+        norms = torch.linalg.vector_norm(per_block, dim=1)
         for i, seed in enumerate(self.seeds):
             if seed.probe is not None and seed.active:
                 seed.noise.record_step(norms[i], seed.probe.small(seed.noise.steps + 1, 1.0), self.rows)
@@ -301,7 +315,7 @@ def _finish_epoch(
 ) -> None:
     """The epoch's row of one seed, recorded as `fit` records it."""
     tc, state, noise = seed.cfg.train, seed.state, seed.noise
-    stats = epoch_stats(list(figures.losses), list(figures.norms), strategy, state.nonfinite_run)
+    stats = epoch_stats(figures.losses.contiguous(), figures.norms.contiguous(), strategy, state.nonfinite_run)
     state.val_curve += val_curve_points(figures.scored, noise.settle(), tc.batch_size)
     state.noise_scale = noise.state_dict()
     if stats.worst_nonfinite_run >= tc.max_nonfinite_steps:
