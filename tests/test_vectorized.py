@@ -121,8 +121,14 @@ def _sweep(folder: Path, vectorize: bool) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-def test_sweep_with_seeds_together_gives_the_sequential_result_rows(tmp_path: Path) -> None:
-    sequential, together = _sweep(tmp_path / "apart", False), _sweep(tmp_path / "together", True)
+def test_sweep_with_seeds_together_gives_the_sequential_result_rows(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sequential = _sweep(tmp_path / "apart", False)
+    with caplog.at_level(logging.INFO, logger="batchlab.seed_group"):
+        together = _sweep(tmp_path / "together", True)
+    said = {r.getMessage() for r in caplog.records if r.name == "batchlab.seed_group"}
+    assert said == {f"sweep: bs{b}-seed0, bs{b}-seed1 train together" for b in (16, 64)}
     assert [r["name"] for r in together] == [r["name"] for r in sequential] and len(together) == 4
     for a, b in zip(sequential, together, strict=True):
         assert b["curve_steps"] == a["curve_steps"]
@@ -147,7 +153,7 @@ def test_seeds_train_apart_where_the_vectorized_path_does_not_apply(caplog: pyte
     ddp = tiny_config(train={"strategy": "ddp", "nproc": 2}, sweep={"seeds": [0, 1]})
     with caplog.at_level(logging.INFO, logger="batchlab.seed_group"):
         assert [len(g) for g in seed_group.groups(ddp, todo)] == [1, 1, 1, 1]
-    said = [r.getMessage() for r in caplog.records]
+    said = [r.getMessage() for r in caplog.records if r.name == "batchlab.seed_group"]
     assert len(said) == 1 and "seeds train one after another: train.strategy ddp with 2 ranks" in said[0]
     with pytest.raises(ValueError, match="fp16"):
         vectorized.fit_seeds(_configs(precision="fp16"), Dataset.__new__(Dataset), Strategy(CPU))
