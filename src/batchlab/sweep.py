@@ -20,7 +20,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -32,6 +32,7 @@ from batchlab.train import steps_per_epoch
 from batchlab.validate import batches_fit
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -223,8 +224,8 @@ def run_experiment(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run
         return pool.submit(_isolated, cfg, exp, paths, parent_run_id, threads).result()
 
 
-def lanes(experiments: list[Experiment], parallel: int) -> list[list[Experiment]]:
-    """Split experiments into `parallel` queues that run side by side, each one at a time."""
+def lanes(experiments: list[T], parallel: int) -> list[list[T]]:
+    """Split experiments (or groups of them) into `parallel` queues that run side by side, each one at a time."""
     return [experiments[i::parallel] for i in range(min(parallel, len(experiments)))]
 
 
