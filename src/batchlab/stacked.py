@@ -11,6 +11,7 @@ and backward took ~1.5x one seed's with baddbmm and ~3.4x through vmap (dispatch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -82,8 +83,7 @@ class StackedModels:
         h = x
         for linear, dropout, activation in self.plan:
             if linear is not None:
-                w, b = linear
-                h = torch.baddbmm(b.unsqueeze(1), h, w.transpose(1, 2))
+                h = _StackedLinear.apply(h, *linear)
             elif dropout is not None:
                 if train and dropout > 0:
                     mask = torch.empty_like(h)
@@ -98,19 +98,21 @@ class StackedModels:
         """Each seed's mean loss over its rows, [S]; their sum's backward gives each seed its own gradient."""
         n, rows = targets.shape
         self.rows = rows
-        logits = self.forward(inputs, train=True)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(n, rows).mean(1)
-        loss.sum().backward()
+        log_probs = F.log_softmax(self.forward(inputs, train=True), dim=2)  # cross_entropy's own two steps
+        per_row = F.nll_loss(log_probs.flatten(0, 1), targets.flatten(), reduction="none").view(n, rows)
+        per_row.mean(1).sum().backward()
         for i, seed in enumerate(self.seeds):
             if seed.probe is not None and seed.active:
                 seed.probe.after_backward(seed.noise.steps + 1, inputs[i], targets[i])
-        return loss.detach()
+        # the figure a separate run records, bit for bit: nll_loss's mean sums in its own order
+        with torch.no_grad():
+            return torch.stack([F.nll_loss(log_probs[i], targets[i]) for i in range(n)])
 
     def measure(self) -> torch.Tensor:
         """Each seed's gradient norm, [S], given with the probe's measurement to its noise scale."""
-        # a seed's gradient lies in every parameter's block: the norm of its per-block norms
-        per_block = torch.stack([torch.linalg.vector_norm(b, dim=1) for b in self.blocks], dim=1)
-        norms = torch.linalg.vector_norm(per_block, dim=1)
+        # a seed's gradient lies in every parameter's block: gathered into one row per seed, whose
+        # norm is bit for bit the norm of a separate run's flat gradient buffer
+        norms = torch.linalg.vector_norm(torch.cat(self.blocks, dim=1), dim=1)
         for i, seed in enumerate(self.seeds):
             if seed.probe is not None and seed.active:
                 seed.noise.record_step(norms[i], seed.probe.small(seed.noise.steps + 1, 1.0), self.rows)
@@ -133,3 +135,20 @@ class StackedModels:
             for i in range(0, x.shape[0], chunk)
         ]
         return torch.cat(parts, dim=1)
+
+
+class _StackedLinear(torch.autograd.Function):
+    """h @ w.T + b per seed, its gradients computed as F.linear's are (addmm's backward takes the
+    weight's as grad.T @ h, in the weight's layout; bmm's own takes h.T @ grad, then transposes,
+    which rounds differently): a seed's gradients are bit for bit a separate run's."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h, w)
+        return torch.baddbmm(b.unsqueeze(1), h, w.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        h, w = ctx.saved_tensors
+        grad_h = torch.bmm(grad, w) if ctx.needs_input_grad[0] else None
+        return grad_h, torch.bmm(grad.transpose(1, 2), h), grad.sum(1)
