@@ -7,8 +7,9 @@ seed keeps everything `fit` gives a separate run: its data order and initial wei
 the global RNG), its gradient norm and non-finite skip, noise scale, val curve, early stopping,
 history, best weights, checkpoint and tracker. In fp32 on the CPU the results equal separate
 runs within 1e-6 (tests/test_vectorized.py); on the machines here, bit for bit: the same
-kernels in the same order (stacked.py's linear backward, norm and loss are written for it). A seed's checkpoint holds its model, optimizer and
-schedule as `fit` writes them: either path resumes the other's.
+kernels in the same order (stacked.py's linear backward, norm and loss are written for it).
+A seed's checkpoint holds its model, optimizer and schedule as `fit` writes them: either path
+resumes the other's.
 """
 
 from __future__ import annotations
