@@ -8,7 +8,6 @@ with a warning, never fatal: a checkpoint only saves time.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import math
 import os
@@ -103,7 +102,13 @@ class Trainee:
     best_weights: dict[str, torch.Tensor]
 
     def keep_best(self) -> None:
-        self.best_weights = copy.deepcopy(self.model.state_dict())
+        self.best_weights = own_tensors(self.model.state_dict())
+
+
+def own_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies that own their memory: torch.save and deepcopy keep a view's whole storage, and the
+    weights of vectorized seeds are views of one tensor holding every seed's."""
+    return {k: v.detach().clone() for k, v in state.items()}
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,7 @@ class Checkpoint:
             return
         payload = {
             "fingerprint": self.fingerprint,
-            "model": trainee.model.state_dict(),
+            "model": own_tensors(trainee.model.state_dict()),
             "optimizer": trainee.optimizer.state_dict(),
             "schedule": trainee.schedule.state_dict(),
             "scaler": trainee.scaler.state_dict(),

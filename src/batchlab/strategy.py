@@ -65,6 +65,20 @@ def describe(cfg: TrainConfig) -> dict[str, str]:
             "world_size": str(cfg.world_size())}  # fmt: skip
 
 
+def seeds_train_apart(cfg: TrainConfig) -> str | None:
+    """Why the seeds of one sweep group cannot train together in one vectorized model
+    (vectorized.py), or None when they can: one process, fp32, no accumulation, on the CPU."""
+    if cfg.strategy != "single":  # fsdp on one process still keeps sharded (DCP) checkpoints
+        return f"train.strategy {cfg.strategy} with {cfg.world_size()} ranks trains one model per process group"
+    if cfg.precision != "fp32":
+        return f"train.precision {cfg.precision}: the vectorized path is checked equal to separate runs in fp32 only"
+    if cfg.grad_accum_steps > 1:
+        return "train.grad_accum_steps > 1: the vectorized path takes one batch per step"
+    if resolve_device(cfg).type != "cpu":
+        return "a CUDA device: the vectorized path is checked equal to separate runs on the CPU only"
+    return None
+
+
 class CollectiveTimeout(RuntimeError):
     """A DDP or FSDP collective waited longer than train.dist_timeout_s."""
 
