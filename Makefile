@@ -49,6 +49,7 @@ test: lint  ## lint, type-check, then the whole test suite
 	$(BIN)/python -m pytest
 
 bench: setup  ## speed and overhead tables -> benchmarks/results.json and README figures
+	$(BIN)/python -m pip install -q -r benchmarks/requirements.txt -c requirements.lock
 	$(BIN)/python benchmarks/run_all.py
 
 # One server process and no GenAI job runners (their consumers were 8 more processes), without

@@ -1,14 +1,19 @@
-"""Training-loop speed: the PyTorch-tutorial loop vs a bare tensor loop vs batchlab's fit().
+"""Training-loop speed: the PyTorch-tutorial loop, Lightning's Trainer (what users pick instead),
+a bare tensor loop and batchlab's fit().
 
 Same data, model, initial weights, optimizer (Adam, constant lr), epochs and one CPU thread
-for all three; only the loop differs. Variants run interleaved and the median of REPEATS
-runs is kept, so a neighbour's load hits all three alike.
+for all of them; only the loop differs. Variants run interleaved and the median of REPEATS
+runs is kept, so a neighbour's load hits all alike. Lightning is a benchmark-only install
+(`make bench`, benchmarks/requirements.txt); without it its rows are left out, saying so.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,11 +30,16 @@ from batchlab.strategy import Strategy
 from batchlab.train import fit, steps_per_epoch
 from common import Table, markdown, progress, verdict
 
+try:
+    import lightning as L
+except ImportError:  # not in the runtime lock: `make bench` installs benchmarks/requirements.txt
+    L = None
+
 BATCH_SIZES = (32, 512)
 EPOCHS = 5
 LR = 3e-3
 SEED = 0
-REPEATS = 5
+REPEATS = int(os.environ.get("BENCH_REPEATS", "5"))
 # issue targets: batchlab vs tutorial speed per batch size, accuracy, batchlab vs bare
 SPEEDUP_TARGET = {32: 2.0, 512: 6.0}
 ACCURACY_POINTS = 0.5
@@ -124,6 +134,57 @@ def bare(cfg: Config, dataset: Dataset) -> Run:
     return Run(seconds, EPOCHS * steps * batch, test_accuracy(model, dataset))
 
 
+def lightning(cfg: Config, dataset: Dataset) -> Run:
+    """Lightning's Trainer on the same model, data and optimizer, its usual settings for one CPU
+    process; logging, checkpoints, progress bar and model summary off (each only adds time).
+    Timed per epoch by a callback, as fit()'s epochs are: the Trainer's set-up is left out."""
+    assert L is not None
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # its banner and tips, every fit
+    warnings.filterwarnings("ignore", module="lightning")
+    model = fresh_model(cfg, dataset)
+    x, y = torch.from_numpy(dataset.train.x), torch.from_numpy(dataset.train.y)
+    loader = DataLoader(TensorDataset(x, y), batch_size=cfg.train.batch_size, shuffle=True)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+            xb, yb = batch
+            return F.cross_entropy(self.net(xb), yb)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=LR)
+
+    class EpochTimer(L.Callback):
+        def __init__(self) -> None:
+            self.seconds, self.started = 0.0, 0.0
+
+        def on_train_epoch_start(self, *_: Any) -> None:
+            self.started = time.perf_counter()
+
+        def on_train_epoch_end(self, *_: Any) -> None:
+            self.seconds += time.perf_counter() - self.started
+
+    timer = EpochTimer()
+    trainer = L.Trainer(
+        max_epochs=EPOCHS,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
+    started = time.perf_counter()
+    trainer.fit(Module(), loader)
+    wall = time.perf_counter() - started
+    torch.set_num_threads(1)  # the Trainer may have changed it; the next variant runs on one thread
+    return Run(timer.seconds, EPOCHS * len(y), test_accuracy(model, dataset), fit_seconds=wall)
+
+
 def batchlab(cfg: Config, dataset: Dataset, checkpoint: Path) -> Run:
     checkpoint.unlink(missing_ok=True)  # a checkpoint of the same config would resume a finished run
     started = time.perf_counter()
@@ -142,9 +203,13 @@ def median_run(runs: list[Run]) -> Run:
 def compare(batch: int, dataset: Dataset, checkpoint: Path) -> dict[str, list[Run]]:
     cfg = config(batch)
     runs: dict[str, list[Run]] = {"tutorial": [], "bare": [], "batchlab": []}
+    if L is not None:
+        runs["lightning"] = []
     for repeat in range(REPEATS):
         progress(f"loop: batch {batch}, repeat {repeat + 1}/{REPEATS}")
         runs["tutorial"].append(tutorial(cfg, dataset))
+        if L is not None:
+            runs["lightning"].append(lightning(cfg, dataset))
         runs["bare"].append(bare(cfg, dataset))
         runs["batchlab"].append(batchlab(cfg, dataset, checkpoint))
     return runs
@@ -166,12 +231,18 @@ def report(batch: int, runs: dict[str, list[Run]], speed: Table, targets: Table)
     # the whole fit(): adds per-epoch validation, best-weights copy and checkpoint
     fit_speed = lab.samples / (lab.fit_seconds or lab.seconds)
     speed.add(batch, "batchlab, fit() wall", f"{fit_speed:,.0f}", f"{fit_speed / base.samples_per_s:.2f}×", "", "")
+    if "lightning" in best:
+        trainer = best["lightning"]
+        wall = trainer.samples / (trainer.fit_seconds or trainer.seconds)
+        speed.add(batch, "lightning, fit() wall", f"{wall:,.0f}", f"{wall / base.samples_per_s:.2f}×", "", "")
     ratios = {
         "batchlab/tutorial": lab.samples_per_s / base.samples_per_s,
         "bare/tutorial": flat.samples_per_s / base.samples_per_s,
         "batchlab/bare": lab.samples_per_s / flat.samples_per_s,
         "batchlab_fit_wall/tutorial": fit_speed / base.samples_per_s,
     }
+    if "lightning" in best:
+        ratios["batchlab/lightning"] = lab.samples_per_s / best["lightning"].samples_per_s
     gap = 100 * abs(lab.accuracy - base.accuracy)
     checks = {
         f"batchlab ≥ {SPEEDUP_TARGET[batch]:g}× tutorial": (

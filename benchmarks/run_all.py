@@ -24,7 +24,7 @@ import torch
 from batchlab import atomic
 from common import REPO, markdown, progress
 
-BENCHES = ("loop", "gns", "threads", "startup", "tracking", "ddp", "sweep", "dask", "repro")
+BENCHES = ("loop", "gns", "seeds", "threads", "startup", "tracking", "ddp", "fsdp", "sweep", "dask", "repro")
 RESULTS = REPO / "benchmarks" / "results.json"
 README = REPO / "README.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"

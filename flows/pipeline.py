@@ -23,7 +23,7 @@ from prefect.cache_policies import NONE
 from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
-from batchlab import orchestration, stages
+from batchlab import launch, orchestration, stages
 from batchlab.config import Config
 
 RETRY = {
@@ -42,17 +42,23 @@ def generate(cfg: Config, root: str) -> dict[str, Any]:
 @task(name="train", **RETRY)  # type: ignore[call-overload]
 def train(cfg: Config, root: str) -> dict[str, Any]:
     tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_name": str(flow_run.flow_name)}
-    return stages.train(cfg, stages.Paths(Path(root)), tags=tags)
+    paths = stages.Paths(Path(root))
+    launch.apply_stage_threads("train", cfg, paths.data)  # as `batchlab train` does
+    return stages.train(cfg, paths, tags=tags)
 
 
 @task(name="evaluate", **RETRY)  # type: ignore[call-overload]
 def evaluate(cfg: Config, root: str) -> dict[str, float]:
-    return stages.evaluate(cfg, stages.Paths(Path(root)))
+    paths = stages.Paths(Path(root))
+    launch.apply_stage_threads("evaluate", cfg, paths.data)  # as `batchlab evaluate` does
+    return stages.evaluate(cfg, paths)
 
 
 @task(name="export", **RETRY)  # type: ignore[call-overload]
 def export(cfg: Config, root: str) -> dict[str, Any]:
-    return stages.export(cfg, stages.Paths(Path(root)))
+    paths = stages.Paths(Path(root))
+    launch.apply_stage_threads("export", cfg, paths.data)  # as `batchlab export` does
+    return stages.export(cfg, paths)
 
 
 @flow(name="batchlab-pipeline", log_prints=True)

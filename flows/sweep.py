@@ -1,4 +1,5 @@
-"""Prefect flow: the batch-size sweep, one task per experiment, `sweep.parallel` at a time."""
+"""Prefect flow: the batch-size sweep, one task per experiment (or per batch size whose seeds train
+together, seed_group.py), `sweep.parallel` at a time."""
 
 from __future__ import annotations
 
@@ -17,36 +18,40 @@ from prefect.cache_policies import NONE
 from prefect.futures import PrefectFuture
 from prefect.tasks import exponential_backoff
 
-from batchlab import executors, orchestration, stages, sweep, sweep_lock
+from batchlab import executors, launch, orchestration, seed_group, stages, sweep, sweep_lock
 from batchlab.config import Config
 from pipeline import generate  # flows/ is on sys.path when a flow file runs
 
 
 @task(
     name="experiment",
-    task_run_name="{exp.name}",
+    task_run_name="{name}",
     retries=2,
     retry_delay_seconds=exponential_backoff(backoff_factor=2),
     retry_condition_fn=orchestration.retry_transient,
     cache_policy=NONE,
 )
-def experiment(cfg: Config, exp: sweep.Experiment, root: str, parent_run_id: str | None) -> dict[str, Any]:
-    return sweep.run_experiment(cfg, exp, stages.Paths(Path(root)), parent_run_id)
+def experiment(
+    cfg: Config, group: list[sweep.Experiment], name: str, root: str, parent_run_id: str | None
+) -> dict[str, Any]:
+    """The result rows of one experiment, or of the seeds of a batch size trained together, by name."""
+    return seed_group.run_group(cfg, group, stages.Paths(Path(root)), parent_run_id)
 
 
 def in_lanes(
     cfg: Config, todo: list[sweep.Experiment], paths: stages.Paths, parent_run_id: str | None
 ) -> dict[str, dict[str, Any]]:
-    """The local executor as Prefect tasks: `sweep.parallel` lanes, each one experiment at a time."""
+    """The local executor as Prefect tasks: `sweep.parallel` lanes, each one group at a time."""
     root = str(paths.root)
-    futures: list[tuple[str, PrefectFuture[dict[str, Any]]]] = []
-    for lane in sweep.lanes(todo, cfg.sweep.parallel):
+    futures: list[PrefectFuture[dict[str, Any]]] = []
+    for lane in sweep.lanes(seed_group.groups(cfg, todo), cfg.sweep.parallel):
         previous: list[PrefectFuture[dict[str, Any]]] = []
-        for exp in lane:  # one lane runs its experiments one after another
-            future = experiment.submit(cfg, exp, root, parent_run_id, wait_for=previous, return_state=False)
-            futures.append((exp.name, future))
+        for group in lane:  # one lane runs its groups one after another
+            name = "+".join(exp.name for exp in group)
+            future = experiment.submit(cfg, group, name, root, parent_run_id, wait_for=previous, return_state=False)
+            futures.append(future)
             previous = [future]
-    return {name: future.result() for name, future in futures}
+    return {name: result for future in futures for name, result in future.result().items()}
 
 
 @flow(name="batchlab-sweep", log_prints=True)
@@ -58,6 +63,7 @@ def batch_size_sweep(
     with sweep_lock.exclusive(paths):  # the lock `batchlab sweep` takes: one sweep per folder, flow or CLI
         cfg = orchestration.resolve(params, overrides, root)
         generate.with_options(refresh_cache=orchestration.refresh_generate(cfg, root))(cfg, root)
+        launch.apply_stage_threads("sweep", cfg, paths.data)  # as `batchlab sweep` does
         executor = executors.for_sweep(cfg, local=in_lanes)  # sweep.executor: dask runs a subflow on the cluster
         study = sweep.prepare(cfg, paths)
         with sweep.parent_run(cfg, paths, study) as parent:

@@ -138,8 +138,14 @@ def write_params(folder: Path, cfg: dict[str, Any], name: str = "params.yaml") -
     return path
 
 
+@pytest.fixture
+def repo_copy(tmp_path: Path) -> Path:
+    """The repo's tracked files in a fresh git + DVC repo, with tiny params."""
+    return copy_repo(tmp_path / "repo")
+
+
 def copy_repo(dest: Path) -> Path:
-    """The repo's tracked files in a fresh git + DVC repo at `dest`, with tiny params."""
+    """The repo's tracked files at `dest`, in a fresh git + DVC repo, with tiny params."""
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     for rel in files:
         src = REPO / rel
@@ -152,12 +158,6 @@ def copy_repo(dest: Path) -> Path:
     run(["git", "add", "-A"], dest)
     run(["git", "commit", "-qm", "init"], dest)
     return dest
-
-
-@pytest.fixture
-def repo_copy(tmp_path: Path) -> Path:
-    """The repo's tracked files in a fresh git + DVC repo, with tiny params."""
-    return copy_repo(tmp_path / "repo")
 
 
 def postgres_available() -> bool:

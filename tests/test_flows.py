@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
@@ -83,8 +84,10 @@ def test_transient_errors_retry_and_config_errors_never_do() -> None:
 
 
 def test_pipeline_flow_links_prefect_and_mlflow_and_caches_generation(root: Path) -> None:
+    torch.set_num_threads(2)  # what this process had: the flow decides train.threads (1) as the CLI does
     state = pipeline_flow.pipeline(root=str(root), return_state=True)
     assert state.is_completed()
+    assert json.loads((root / "reports/train.json").read_text())["torch_threads"] == 1
     out = state.result()
     flow_run_id = state.state_details.flow_run_id
     run_info = MlflowClient(f"sqlite:///{root / 'mlflow.db'}").get_run(out["run_id"])

@@ -380,3 +380,20 @@ def test_run_names_say_what_started_them(monkeypatch: pytest.MonkeyPatch) -> Non
     assert tracking.origin() == "dvc"
     monkeypatch.setenv("DVC_EXP_NAME", "gummy-tars")  # what `dvc exp run` adds
     assert tracking.origin() == "exp-gummy-tars"
+
+
+def test_logging_a_torch_model_does_not_import_lightning(tmp_path: Path) -> None:
+    """mlflow.pytorch imports Lightning whenever it is installed (3.9 s of every training here);
+    a Lightning that fails on import proves batchlab's model logging never loads it."""
+    fake = tmp_path / "site" / "pytorch_lightning"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise RuntimeError('Lightning was imported')\n")
+    code = (
+        "import sys; from batchlab.tracking.mlflow_tracker import torch_flavor; "
+        "assert torch_flavor().log_model and 'pytorch_lightning' not in sys.modules; print('flavor loaded'); "
+        "import mlflow.pytorch._lightning_autolog"  # autolog still imports it on demand
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "flavor loaded" in done.stdout, done.stderr
+    assert done.returncode != 0 and "Lightning was imported" in done.stderr  # by the explicit import only

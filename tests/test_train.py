@@ -191,7 +191,7 @@ def test_resumed_run_keeps_counting_non_finite_steps(
 ) -> None:
     cfg, data = tiny_config(train={"max_nonfinite_steps": 20}), _poisoned(tiny_dataset, "train")
     checkpoint = tmp_path / "ckpt.pt"
-    epoch_stats, calls = train._epoch_stats, []
+    epoch_stats, calls = train.epoch_stats, []
 
     def interrupt_in_epoch_2(*args: object) -> object:
         calls.append(1)
@@ -199,7 +199,7 @@ def test_resumed_run_keeps_counting_non_finite_steps(
             raise KeyboardInterrupt
         return epoch_stats(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(train, "_epoch_stats", interrupt_in_epoch_2)
+    monkeypatch.setattr(train, "epoch_stats", interrupt_in_epoch_2)
     with pytest.raises(KeyboardInterrupt):
         fit(cfg, data, CPU, checkpoint=checkpoint)
     monkeypatch.undo()

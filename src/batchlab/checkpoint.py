@@ -8,10 +8,10 @@ with a warning, never fatal: a checkpoint only saves time.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import math
 import os
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,41 @@ from torch import nn
 from batchlab.model import save_torch
 
 log = logging.getLogger(__name__)
+
+# a sharded (FSDP) checkpoint's plain values, in each epoch folder (sharded.py writes it)
+SHARDED_META = "meta.pt"
+
+
+def sharded_folder(checkpoint: Path) -> Path:
+    """The sharded checkpoint's folder beside the single-file one: train.pt -> train.dcp."""
+    return checkpoint.with_suffix(".dcp")
+
+
+def latest_epoch(folder: Path) -> Path | None:
+    """The newest complete epoch folder of a sharded checkpoint (renamed into place: no .tmp), or None."""
+    if not folder.is_dir():
+        return None
+    done = sorted(p for p in folder.glob("epoch-*") if p.suffix != ".tmp" and (p / SHARDED_META).is_file())
+    return done[-1] if done else None
+
+
+def read_summary(checkpoint: Path) -> dict[str, Any] | None:
+    """The fingerprint and TrainState of the checkpoint a run would resume from: the single file,
+    else the newest epoch of the sharded folder; None when there is neither. Raises on a torn file."""
+    path = checkpoint if checkpoint.is_file() else None
+    if path is None:
+        newest = latest_epoch(sharded_folder(checkpoint))
+        path = newest / SHARDED_META if newest is not None else None
+    if path is None:
+        return None
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    return saved if isinstance(saved, dict) else None
+
+
+def discard(checkpoint: Path) -> None:
+    """Remove a finished training's checkpoint: the file, or the sharded folder beside it."""
+    checkpoint.unlink(missing_ok=True)
+    shutil.rmtree(sharded_folder(checkpoint), ignore_errors=True)
 
 
 @dataclass
@@ -67,7 +102,13 @@ class Trainee:
     best_weights: dict[str, torch.Tensor]
 
     def keep_best(self) -> None:
-        self.best_weights = copy.deepcopy(self.model.state_dict())
+        self.best_weights = own_tensors(self.model.state_dict())
+
+
+def own_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies that own their memory: torch.save and deepcopy keep a view's whole storage, and the
+    weights of vectorized seeds are views of one tensor holding every seed's."""
+    return {k: v.detach().clone() for k, v in state.items()}
 
 
 @dataclass(frozen=True)
@@ -104,7 +145,7 @@ class Checkpoint:
             return
         payload = {
             "fingerprint": self.fingerprint,
-            "model": trainee.model.state_dict(),
+            "model": own_tensors(trainee.model.state_dict()),
             "optimizer": trainee.optimizer.state_dict(),
             "schedule": trainee.schedule.state_dict(),
             "scaler": trainee.scaler.state_dict(),

@@ -203,18 +203,15 @@ def run(args: argparse.Namespace) -> None:
     if args.stage == "ui-url":
         print(ui_url(args.port, experiment_id(args.store, cfg.tracking.experiment)))
         return
-    from batchlab import data, launch, stages
+    from batchlab import launch, stages
 
     if cfg.tracking.enabled and args.stage != "generate":
         from batchlab.tracking import quiet_mlflow
 
         quiet_mlflow()
     paths = stages.Paths(out=args.out)
-    # this process's torch threads, once, where it starts (a rank's were resolved by its launcher)
-    if args.stage != "generate" and not launch.is_worker():
-        threads = launch.stage_threads(args.stage, cfg, data.shape(paths.data))
-        if threads is not None:
-            launch.use_threads(threads)
+    if args.stage != "generate":  # generate runs no torch
+        launch.apply_stage_threads(args.stage, cfg, paths.data)
     if args.stage == "generate":
         stages.generate(cfg, paths)
     elif args.stage == "train":

@@ -73,13 +73,15 @@ class TrainConfig(Section):
         0,
         description="torch CPU threads per process; 0 = auto: more than one only when a step's work (model "
         "width x batch) pays for them, on cores no other process is busy on, within the process's share "
-        "(sweep.parallel; ddp ranks: cores / nproc)",
+        "(sweep.parallel; ddp/fsdp ranks: cores / nproc)",
     )
-    strategy: Literal["single", "ddp"] = Field("single", description="single process or DistributedDataParallel")
-    nproc: PositiveInt = Field(1, description="ddp: processes per machine")
-    nnodes: PositiveInt = Field(1, description="ddp: number of machines")
-    node_rank: Annotated[int, Field(ge=0)] = Field(0, description="ddp: this machine's index")
-    rdzv_endpoint: str = Field("127.0.0.1:29500", description="ddp: host:port of the rendezvous")
+    strategy: Literal["single", "ddp", "fsdp"] = Field(
+        "single", description="single process, DistributedDataParallel, or FSDP2 (fully_shard: sharded state)"
+    )
+    nproc: PositiveInt = Field(1, description="ddp/fsdp: processes per machine")
+    nnodes: PositiveInt = Field(1, description="ddp/fsdp: number of machines")
+    node_rank: Annotated[int, Field(ge=0)] = Field(0, description="ddp/fsdp: this machine's index")
+    rdzv_endpoint: str = Field("127.0.0.1:29500", description="ddp/fsdp: host:port of the rendezvous")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="autocast dtype; fp16 adds a grad scaler")
     grad_accum_steps: PositiveInt = Field(1, description="micro-batches per optimizer step")
@@ -90,15 +92,15 @@ class TrainConfig(Section):
     max_nonfinite_steps: PositiveInt = Field(
         20, description="stop after this many consecutive steps with non-finite gradients"
     )
-    max_restarts: Annotated[int, Field(ge=0)] = Field(0, description="ddp: launcher restarts after a rank fails")
-    dist_timeout_s: PositiveInt = Field(300, description="ddp: seconds before a stuck collective fails")
+    max_restarts: Annotated[int, Field(ge=0)] = Field(0, description="ddp/fsdp: launcher restarts after a rank fails")
+    dist_timeout_s: PositiveInt = Field(300, description="ddp/fsdp: seconds before a stuck collective fails")
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
         if self.node_rank >= self.nnodes:
             raise ValueError(f"train.node_rank must be below train.nnodes ({self.nnodes}), got {self.node_rank}")
         if self.strategy == "single" and (self.nproc > 1 or self.nnodes > 1):
-            raise ValueError("train.nproc and train.nnodes above 1 need train.strategy: ddp")
+            raise ValueError("train.nproc and train.nnodes above 1 need train.strategy: ddp or fsdp")
         per_rank = self.world_size() * self.grad_accum_steps
         if self.batch_size % per_rank:
             raise ValueError(
@@ -107,7 +109,7 @@ class TrainConfig(Section):
         return self
 
     def world_size(self) -> int:
-        return self.nproc * self.nnodes if self.strategy == "ddp" else 1
+        return 1 if self.strategy == "single" else self.nproc * self.nnodes
 
 
 class EvaluateConfig(Section):
@@ -144,6 +146,11 @@ class SweepConfig(Section):
     epochs: PositiveInt | None = Field(None, description="epochs per experiment (default: train.epochs)")
     seeds: list[int] = Field([0, 1, 2], description="one experiment per batch size and seed (3+ for a CI)")
     parallel: PositiveInt = Field(1, description="experiments at once, each in its own process")
+    vectorize_seeds: bool = Field(
+        True,
+        description="train the seeds of one batch size and lr together in one vectorized model (results equal "
+        "separate runs within 1e-6); ddp, fp16/bf16, accumulation and CUDA train them one after another",
+    )
     lr_multipliers: list[float] = Field(
         [1.0], description="each batch size also runs at these multiples of its scaled lr; the best val loss wins"
     )

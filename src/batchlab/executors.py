@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from batchlab import seed_group
 from batchlab.config import Config
 from batchlab.stages import Paths
 
@@ -32,12 +33,12 @@ class Executor:
 
 
 def run_local(cfg: Config, todo: list[Experiment], paths: Paths, parent_run_id: str | None) -> Results:
-    """`sweep.parallel` experiments at once on this machine (each in its own process when above one)."""
-    from batchlab.sweep import run_experiment  # sweep imports this module
-
+    """`sweep.parallel` groups at once on this machine (each in its own process when above one)."""
     with ThreadPoolExecutor(max_workers=cfg.sweep.parallel) as pool:
-        futures = {e.name: pool.submit(run_experiment, cfg, e, paths, parent_run_id) for e in todo}
-        return {name: future.result() for name, future in futures.items()}
+        # the seeds of one batch size and lr train together (seed_group.py); alone where they cannot
+        groups = seed_group.groups(cfg, todo)
+        futures = [pool.submit(seed_group.run_group, cfg, group, paths, parent_run_id) for group in groups]
+        return {name: result for future in futures for name, result in future.result().items()}
 
 
 def for_sweep(cfg: Config, local: Runner = run_local) -> Executor:

@@ -200,10 +200,14 @@ class PerExampleProbe:
     vmap(grad) on a functional copy of the model, every `every`-th step (by default from the
     batch: PER_EXAMPLE_ROWS_BETWEEN rows apart, at most PER_EXAMPLE_EVERY steps).
     Runs in fp32 outside autocast and leaves the global RNG (dropout in the real step) as it
-    found it, so training takes the same steps with or without it."""
+    found it, so training takes the same steps with or without it. With `rng` (the generator the
+    step's dropout drew from, when not the global one: vectorized seeds) its masks start from
+    that generator's state, as a separate run's start from the global RNG's."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, every: int | None = None) -> None:
-        self.model, self.every = model, every
+    def __init__(
+        self, model: nn.Module, loss_fn: LossFn, every: int | None = None, rng: torch.Generator | None = None
+    ) -> None:
+        self.model, self.every, self.rng = model, every, rng
         # views of the live parameters: the optimizer updates them in place
         self.params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
         self.buffers = dict(model.named_buffers())
@@ -232,6 +236,8 @@ class PerExampleProbe:
         x, y = torch.cat(inputs)[:PER_EXAMPLE_ROWS], torch.cat(targets)[:PER_EXAMPLE_ROWS]  # rows are shuffled
         devices = [x.device] if x.device.type == "cuda" else []  # the CPU generator is always restored
         with torch.random.fork_rng(devices=devices), torch.no_grad():
+            if self.rng is not None:  # vmap's dropout draws from the global RNG: give it this seed's state
+                torch.set_rng_state(self.rng.get_state())
             grads = self.per_example_grads(self.params, x, y)
         # mean_i |g_i|² = (sum over every example and parameter of g²) / rows: one foreach norm
         return get_total_norm(list(grads.values())).float().square() / x.shape[0], 1

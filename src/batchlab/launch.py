@@ -1,4 +1,4 @@
-"""Where training processes start: torchrun for DDP (so no stage needs a special command), and how
+"""Where training processes start: torchrun for DDP and FSDP (so no stage needs a special command), and how
 many threads each process runs."""
 
 from __future__ import annotations
@@ -140,6 +140,19 @@ def stage_threads(stage: str, cfg: Config, shape: Shape) -> int | None:
     return inference_threads(cfg, shape)  # evaluate, export
 
 
+def apply_stage_threads(stage: str, cfg: Config, data_dir: Path) -> None:
+    """Decide this process's torch threads for `stage` (train, evaluate, export or sweep), once,
+    where it starts: `batchlab <stage>` and the Prefect flows both call it. A torchrun rank's
+    were set by its launcher."""
+    if is_worker():
+        return
+    from batchlab import data  # the prepared data's shape: numpy only, no torch
+
+    threads = stage_threads(stage, cfg, data.shape(data_dir))
+    if threads is not None:
+        use_threads(threads)
+
+
 def use_threads(threads: int) -> None:
     """Run this process's torch operations on `threads` threads."""
     import torch
@@ -179,7 +192,7 @@ def launch_command(cfg: TrainConfig, stage_args: list[str]) -> list[str]:
 
 def uses_torchrun(cfg: TrainConfig) -> bool:
     """Whether training starts ranks through torchrun, or runs in the calling process."""
-    return cfg.strategy == "ddp"
+    return cfg.strategy != "single"
 
 
 def launch(cfg: TrainConfig, stage_args: list[str], cwd: Path, run_id: str | None) -> None:

@@ -10,9 +10,8 @@ import json
 import logging
 from pathlib import Path
 
-import torch
-
 from batchlab import atomic
+from batchlab.checkpoint import read_summary
 from batchlab.tracking import Resumable
 
 log = logging.getLogger(__name__)
@@ -35,15 +34,15 @@ def find(checkpoint: Path, fingerprint: str) -> Resumable | None:
     """The run of an interrupted training that `fit` will resume from `checkpoint`, with the epochs
     the checkpoint holds; None when `fit` will start over (no checkpoint, or one for other params)."""
     path = sidecar(checkpoint)
-    if not (path.is_file() and checkpoint.is_file()):
+    if not path.is_file():
         return None
     try:
         run_id = str(json.loads(path.read_text())["run_id"])
-        saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        saved = read_summary(checkpoint)  # the single file, or the sharded (FSDP) checkpoint's meta
     except (OSError, ValueError, KeyError, RuntimeError) as err:  # a torn or foreign file: start a new run
         log.info("not continuing the previous run: %s is unreadable (%s)", path, err)
         return None
-    if saved.get("fingerprint") != fingerprint:  # fit's own test for resuming
+    if saved is None or saved.get("fingerprint") != fingerprint:  # fit's own test for resuming
         return None
     history = saved.get("state", {}).get("history", [])
     return Resumable(run_id=run_id, epochs=[{k: float(v) for k, v in row.items()} for row in history])

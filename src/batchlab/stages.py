@@ -6,18 +6,23 @@ uses when it runs: `batchlab generate` starts without torch (~1 s) and mlflow.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchlab import atomic, data, launch, tracking
 from batchlab import config as config_module
 from batchlab.config import Config, dump_config
 from batchlab.validate import batch_fits
+
+if TYPE_CHECKING:
+    from batchlab.train import TrainResult
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +91,6 @@ def train_worker(
     """One training process: the only one, or one rank under torchrun. Rank 0 writes the outputs."""
     import torch
 
-    from batchlab.model import save_model
     from batchlab.strategy import session
     from batchlab.train import fit
 
@@ -102,16 +106,26 @@ def train_worker(
             result = fit(cfg, dataset, strategy, tracker, checkpoint=paths.checkpoint)
         tracker.flush()
         if strategy.is_main:
-            save_model(paths.model, result.model, cfg.model, dataset.n_features, dataset.class_names)
-            atomic.write_csv(paths.reports / "history.csv", result.history)
-            if result.val_curve:  # train.eval_every_steps > 0
-                atomic.write_csv(paths.reports / "val_curve.csv", result.val_curve)
-            else:  # not a stale curve from an earlier run
-                (paths.reports / "val_curve.csv").unlink(missing_ok=True)
-            summary = {"best_epoch": result.best_epoch, "epochs_run": len(result.history),
-                       "stopped_early": result.stopped_early, "torch_threads": torch.get_num_threads()}  # fmt: skip
-            atomic.write_json(paths.reports / "train_summary.json", summary)
-            paths.checkpoint.unlink(missing_ok=True)
+            write_trained(cfg, paths, result, dataset)
+
+
+def write_trained(cfg: Config, paths: Paths, result: TrainResult, dataset: data.Dataset) -> None:
+    """A finished training's outputs: the model, its history and val curve, a summary; the checkpoint goes."""
+    import torch
+
+    from batchlab.checkpoint import discard
+    from batchlab.model import save_model
+
+    save_model(paths.model, result.model, cfg.model, dataset.n_features, dataset.class_names)
+    atomic.write_csv(paths.reports / "history.csv", result.history)
+    if result.val_curve:  # train.eval_every_steps > 0
+        atomic.write_csv(paths.reports / "val_curve.csv", result.val_curve)
+    else:  # not a stale curve from an earlier run
+        (paths.reports / "val_curve.csv").unlink(missing_ok=True)
+    summary = {"best_epoch": result.best_epoch, "epochs_run": len(result.history),
+               "stopped_early": result.stopped_early, "torch_threads": torch.get_num_threads()}  # fmt: skip
+    atomic.write_json(paths.reports / "train_summary.json", summary)
+    discard(paths.checkpoint)  # the file, or the sharded folder beside it
 
 
 def _rank_args(cfg: Config, paths: Paths) -> list[str]:
@@ -132,11 +146,8 @@ def train(
     tags: dict[str, str] | None = None,
     dataset: data.Dataset | None = None,
 ) -> dict[str, Any]:
-    """Train on the prepared data, in this process or, under `strategy: ddp`, on ranks started by torchrun."""
-    from batchlab import resume
-    from batchlab.model import load_model
-    from batchlab.strategy import check_supported, describe
-    from batchlab.train import fingerprint
+    """Train on the prepared data, in this process or, under `strategy: ddp|fsdp`, on ranks started by torchrun."""
+    from batchlab.strategy import check_supported
 
     dataset = dataset or data.load(paths.data)
     batch_fits(cfg.train.batch_size, dataset.train.y.shape[0], "train.batch_size")
@@ -144,12 +155,34 @@ def train(
     if cfg.train.node_rank > 0:  # another machine's ranks: node 0 tracks and writes every output
         launch.launch(cfg.train, _rank_args(cfg, paths), paths.root, run_id=None)
         return {}
+    with train_run(cfg, paths, dataset, parent_run_id, name, tags) as tracker:
+        if launch.uses_torchrun(cfg.train):
+            launch.launch(cfg.train, _rank_args(cfg, paths), paths.root, tracker.run_id)
+        else:
+            train_worker(cfg, paths, tracker, dataset)
+        return log_trained(tracker, paths, dataset)
+
+
+@contextlib.contextmanager
+def train_run(
+    cfg: Config,
+    paths: Paths,
+    dataset: data.Dataset,
+    parent_run_id: str | None = None,
+    name: str | None = None,
+    tags: dict[str, str] | None = None,
+) -> Iterator[tracking.Tracker]:
+    """The MLflow run of one training, params, datasets and strategy tags logged; a training resumed
+    from its checkpoint continues the run of the killed one."""
+    from batchlab import resume
+    from batchlab.strategy import describe
+    from batchlab.train import fingerprint
+
     tc = cfg.train
     # what made it, then what it trained: `dvc-train-bs64-lr0.003-single-fp32`, `exp-<name>-train-...`
     origin = tracking.origin()
     name = name or f"{origin}-train-bs{tc.batch_size}-lr{tc.lr:g}-{tc.strategy}-{tc.precision}"
     tags = {**tracking.environment_tags(), "batchlab.origin": origin, **(tags or {})}
-    # a training resumed from its checkpoint continues the run of the killed one
     previous = resume.find(paths.checkpoint, fingerprint(cfg, dataset))
     with tracking.run(cfg.tracking, name=name, parent_run_id=parent_run_id, tags=tags, resume=previous) as tracker:
         resume.remember(paths.checkpoint, tracker.run_id)
@@ -157,17 +190,20 @@ def train(
             tracker.log_params(cfg.flat())
             tracker.log_datasets(dataset, cfg.data.source)
         tracker.set_tags({f"train.{k}": v for k, v in describe(cfg.train).items()})
-        if launch.uses_torchrun(cfg.train):
-            launch.launch(cfg.train, _rank_args(cfg, paths), paths.root, tracker.run_id)
-        else:
-            train_worker(cfg, paths, tracker, dataset)
-        model, _ = load_model(paths.model)
-        model_uri = tracker.log_torch_model(model, dataset.test.x[:5])
-        tracker.log_artifact(paths.reports / "history.csv")
-        info = {"run_id": tracker.run_id, "model_uri": model_uri,
-                **json.loads((paths.reports / "train_summary.json").read_text())}  # fmt: skip
-        atomic.write_json(paths.run_info, info)
+        yield tracker
     resume.forget(paths.checkpoint)
+
+
+def log_trained(tracker: tracking.Tracker, paths: Paths, dataset: data.Dataset) -> dict[str, Any]:
+    """Log the trained model and its history into the training's run; write and return train.json."""
+    from batchlab.model import load_model
+
+    model, _ = load_model(paths.model)
+    model_uri = tracker.log_torch_model(model, dataset.test.x[:5])
+    tracker.log_artifact(paths.reports / "history.csv")
+    info = {"run_id": tracker.run_id, "model_uri": model_uri,
+            **json.loads((paths.reports / "train_summary.json").read_text())}  # fmt: skip
+    atomic.write_json(paths.run_info, info)
     return info
 
 

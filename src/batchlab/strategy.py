@@ -1,20 +1,23 @@
-"""Device, DDP, precision and gradient scaling, decided once.
+"""Device, DDP or FSDP, precision and gradient scaling, decided once.
 
 Every member is safe to call whatever the settings: `autocast()` is a null context in
-fp32, the scaler is disabled unless fp16, `setup` returns the model itself on one process.
-Outside this module only launch.py (how ranks start) branches on the strategy.
+fp32, the scaler is disabled unless fp16, `prepare` and `setup` return the model itself on one
+process, `unwrap` returns what is saved and exported. Outside this module only launch.py (how
+ranks start) branches on the strategy; FSDP's parts live in sharded.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import logging
 import math
 import os
 import resource
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -23,8 +26,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import get_total_norm
 
+from batchlab.checkpoint import Checkpoint, sharded_folder
 from batchlab.config import ConfigError, TrainConfig
 from batchlab.gns import CommHookProbe, LossFn, MicroBatchProbe, NoiseScale, PerExampleProbe
+
+if TYPE_CHECKING:
+    from batchlab.sharded import ShardedCheckpoint
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -42,7 +51,7 @@ def check_supported(cfg: TrainConfig) -> None:
     device = resolve_device(cfg)
     if device.type != "cuda":
         return
-    if cfg.strategy == "ddp" and cfg.nproc > torch.cuda.device_count():
+    if cfg.strategy != "single" and cfg.nproc > torch.cuda.device_count():
         raise ConfigError(f"train.nproc ({cfg.nproc}) is more than the CUDA devices here ({torch.cuda.device_count()})")
     if cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise ConfigError("train.precision bf16 is not supported by this GPU; use fp16 or fp32")
@@ -56,8 +65,22 @@ def describe(cfg: TrainConfig) -> dict[str, str]:
             "world_size": str(cfg.world_size())}  # fmt: skip
 
 
+def seeds_train_apart(cfg: TrainConfig) -> str | None:
+    """Why the seeds of one sweep group cannot train together in one vectorized model
+    (vectorized.py), or None when they can: one process, fp32, no accumulation, on the CPU."""
+    if cfg.strategy != "single":  # fsdp on one process still keeps sharded (DCP) checkpoints
+        return f"train.strategy {cfg.strategy} with {cfg.world_size()} ranks trains one model per process group"
+    if cfg.precision != "fp32":
+        return f"train.precision {cfg.precision}: the vectorized path is checked equal to separate runs in fp32 only"
+    if cfg.grad_accum_steps > 1:
+        return "train.grad_accum_steps > 1: the vectorized path takes one batch per step"
+    if resolve_device(cfg).type != "cpu":
+        return "a CUDA device: the vectorized path is checked equal to separate runs on the CPU only"
+    return None
+
+
 class CollectiveTimeout(RuntimeError):
-    """A DDP collective waited longer than train.dist_timeout_s."""
+    """A DDP or FSDP collective waited longer than train.dist_timeout_s."""
 
 
 @dataclass
@@ -69,7 +92,9 @@ class Strategy:
     world_size: int = 1
     timeout_s: float = 300.0
     grad_accum_steps: int = 1
+    sharded: bool = False  # FSDP: fully_shard over the ranks, DCP checkpoints (also on one process)
     scaler: torch.amp.GradScaler = field(init=False)
+    _skeleton: nn.Module | None = field(init=False, default=None)  # the unsharded model's shape
     _params: list[nn.Parameter] = field(init=False, default_factory=list)
     _flat_grads: torch.Tensor | None = field(init=False, default=None)
     _noise: NoiseScale | None = field(init=False, default=None)
@@ -77,7 +102,14 @@ class Strategy:
     _step_rows: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        fp16 = self.precision == "fp16"
+        if self.fsdp and fp16:
+            from batchlab.sharded import FusedShardedGradScaler  # FSDP's modules: loaded when used
+
+            # every rank must skip the same steps: found_inf of the local shards is all-reduced
+            self.scaler = FusedShardedGradScaler(self.device.type)
+        else:
+            self.scaler = torch.amp.GradScaler(self.device.type, enabled=fp16)
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> Strategy:
@@ -105,7 +137,8 @@ class Strategy:
                     rank=rank,
                     world_size=world_size,
                 )
-        return cls(device, cfg.precision, rank, local_rank, world_size, float(cfg.dist_timeout_s), cfg.grad_accum_steps)
+        return cls(device, cfg.precision, rank, local_rank, world_size, float(cfg.dist_timeout_s),
+                   cfg.grad_accum_steps, sharded=cfg.strategy == "fsdp")  # fmt: skip
 
     @property
     def is_main(self) -> bool:
@@ -114,6 +147,11 @@ class Strategy:
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def fsdp(self) -> bool:
+        """Parameters, gradients and optimizer state are split across ranks (sharded, more than one)."""
+        return self.sharded and self.is_distributed
 
     def divergence_hint(self) -> str:
         """What to change when the loss went non-finite with clean data."""
@@ -124,19 +162,56 @@ class Strategy:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
 
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """The model whose parameters the optimizer is built on: under FSDP sharded in place (the
+        optimizer must come after), otherwise `model` itself."""
+        if not self.fsdp:
+            return model
+        from batchlab import sharded
+
+        self._skeleton = sharded.skeleton(model)
+        return sharded.shard(model, self.device, self.precision, self.world_size)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The plain model to save and export. Under FSDP its full weights, gathered on rank 0 (every
+        rank must call this); the other ranks get a model on the meta device."""
+        if not self.fsdp or self._skeleton is None:
+            return model
+        from batchlab import sharded
+
+        return sharded.gather_full(model, self._skeleton, self.is_main)
+
+    def checkpoint(self, path: Path | None, fingerprint: str) -> Checkpoint | ShardedCheckpoint:
+        """Where `fit` resumes from and saves to: one file written by rank 0, or under FSDP a DCP
+        folder beside it (train.pt -> train.dcp) that every rank writes its shards into."""
+        if not self.sharded:
+            return Checkpoint(path, fingerprint, self.is_main)
+        from batchlab import sharded
+
+        folder = sharded_folder(path) if path is not None else None
+        return sharded.ShardedCheckpoint(folder, fingerprint, self.rank, self.world_size)
+
     def setup(self, model: nn.Module, noise: NoiseScale | None = None, loss_fn: LossFn = F.cross_entropy) -> nn.Module:
         """Ready `model` (on the device) for training: what the loop calls forward on. One process:
         every gradient becomes a view of one flat buffer, so the norm and the zeroing are one op each
         (~25% of a small model's step). DDP: the wrapped model, which owns its gradient buckets.
+        FSDP: the model `prepare` sharded.
 
         With an enabled `noise`, every step also measures the gradient noise scale into it (gns.py):
         the two batch sizes are one rank's rows vs the global batch under DDP, a micro-batch vs the
-        batch with accumulation, otherwise single examples (gradients of `loss_fn`) vs the batch."""
+        batch with accumulation, otherwise single examples (gradients of `loss_fn`) vs the batch.
+        Not under FSDP: a rank's own gradient exists only inside FSDP's reduce-scatter."""
         self.reset_peak_memory()
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._flat_grads = None
         self._noise = noise if noise is not None and noise.enabled else None
         self._probe, self._step_rows = None, 0
+        if self.fsdp:
+            if self._noise is not None and self.is_main:
+                log.info("gns: not measured under fsdp (no cheap per-rank gradient to compare with); gns.* not logged")
+            if self._noise is not None:
+                self._noise.enabled, self._noise = False, None
+            return model
         if self.is_distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             # gradients as views of DDP's buckets: no copy per step (1.37x -> 1.53x on 2 CPU ranks here)
@@ -171,6 +246,11 @@ class Strategy:
         for i, chunk in enumerate(chunks):
             if isinstance(net, DistributedDataParallel):
                 net.require_backward_grad_sync = i == len(chunks) - 1  # what no_sync() sets
+            elif self.fsdp:
+                from batchlab import sharded
+
+                # FSDP: gradients accumulate unsharded locally; one reduce-scatter in the last backward
+                sharded.set_gradient_sync(net, i == len(chunks) - 1)
             yield chunk
 
     def backward(self, loss: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> None:
@@ -188,6 +268,10 @@ class Strategy:
         self.scaler.unscale_(optimizer)
         if self._flat_grads is not None:
             norm = torch.linalg.vector_norm(self._flat_grads)
+        elif self.fsdp:
+            from batchlab import sharded
+
+            norm = sharded.grad_norm(self._params)  # the same global norm on every rank
         else:
             norm = get_total_norm([p.grad for p in self._params if p.grad is not None])
         self._measure_noise(norm)  # unscaled, before the optimizer changes the weights

@@ -20,7 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -32,6 +32,7 @@ from batchlab.train import steps_per_epoch
 from batchlab.validate import batches_fit
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -131,19 +132,37 @@ SUMMARY = {
 }
 
 
-def _train_and_score(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
-    """Train and test one experiment in its own folder; returns its result row."""
-    started = time.perf_counter()
-    out = paths.outputs / "sweep" / "experiments" / exp.name
-    exp_paths = stages.Paths(root=paths.root, out=out)
-    dataset = data.load(paths.data)
-    tags = {
+def experiment_paths(paths: stages.Paths, exp: Experiment) -> stages.Paths:
+    """The experiment's own folder for models/, reports/, its checkpoint and result.json."""
+    return stages.Paths(root=paths.root, out=paths.outputs / "sweep" / "experiments" / exp.name)
+
+
+def experiment_tags(exp: Experiment) -> dict[str, str]:
+    return {
         "sweep.batch_size": str(exp.batch_size),
         "sweep.seed": str(exp.seed),
         "sweep.lr_multiplier": f"{exp.lr_multiplier:g}",
     }
+
+
+def _train_and_score(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
+    """Train and test one experiment in its own folder; returns its result row."""
+    started = time.perf_counter()
+    exp_paths = experiment_paths(paths, exp)
+    dataset = data.load(paths.data)
     exp_cfg = experiment_config(cfg, exp)
-    info = stages.train(exp_cfg, exp_paths, parent_run_id, f"sweep-{exp.name}", tags, dataset)
+    info = stages.train(exp_cfg, exp_paths, parent_run_id, f"sweep-{exp.name}", experiment_tags(exp), dataset)
+    return score(cfg, exp, paths, info, dataset, time.perf_counter() - started)
+
+
+def score(
+    cfg: Config, exp: Experiment, paths: stages.Paths, info: dict[str, Any], dataset: data.Dataset, seconds: float
+) -> dict[str, Any]:
+    """Test a trained experiment, log its summary and write its result.json; returns its result row.
+    `seconds`: its training's wall time so far (what is not train_seconds is overhead)."""
+    started = time.perf_counter() - seconds
+    exp_paths = experiment_paths(paths, exp)
+    exp_cfg = experiment_config(cfg, exp)
     history = [{k: float(v) for k, v in row.items()} for row in atomic.read_csv(exp_paths.reports / "history.csv")]
     curve = atomic.read_csv(exp_paths.reports / "val_curve.csv")
     test, _, _ = evaluate.score_test_split(exp_paths.model, dataset)
@@ -173,7 +192,7 @@ def _train_and_score(cfg: Config, exp: Experiment, paths: stages.Paths, parent_r
     result["finished_at"] = time.time()  # what a killed sweep's next attempt counts its wall time up to
     with tracking.run(cfg.tracking, run_id=info.get("run_id"), enabled=info.get("run_id") is not None) as tracker:
         tracker.log_metrics({key: float(result[k]) for key, k in SUMMARY.items() if math.isfinite(result[k])})
-    atomic.write_json(out / "result.json", result)
+    atomic.write_json(exp_paths.outputs / "result.json", result)
     log.info("sweep: %s f1 %.4f, %.0f samples/s", exp.name, result["test_f1_macro"], result["samples_per_s"])
     return result
 
@@ -205,8 +224,8 @@ def run_experiment(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run
         return pool.submit(_isolated, cfg, exp, paths, parent_run_id, threads).result()
 
 
-def lanes(experiments: list[Experiment], parallel: int) -> list[list[Experiment]]:
-    """Split experiments into `parallel` queues that run side by side, each one at a time."""
+def lanes(experiments: list[T], parallel: int) -> list[list[T]]:
+    """Split experiments (or groups of them) into `parallel` queues that run side by side, each one at a time."""
     return [experiments[i::parallel] for i in range(min(parallel, len(experiments)))]
 
 

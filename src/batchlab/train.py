@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchlab.checkpoint import Checkpoint, Trainee, TrainState
+from batchlab.checkpoint import Trainee, TrainState
 from batchlab.config import Config, TrainConfig
 from batchlab.data import Dataset, Split
 from batchlab.gns import NoiseScale, Trajectory
@@ -101,7 +101,9 @@ def predict_logits(model: nn.Module, x: torch.Tensor, strategy: Strategy, chunk:
     return torch.cat(out)
 
 
-def _val_curve(scored: list[tuple[int, torch.Tensor]], noise: Trajectory, batch_size: int) -> list[dict[str, float]]:
+def val_curve_points(
+    scored: list[tuple[int, torch.Tensor]], noise: Trajectory, batch_size: int
+) -> list[dict[str, float]]:
     """An epoch's val points, read back in one sync, with the noise scale at each point's step."""
     losses = torch.stack([loss for _, loss in scored]).tolist() if scored else []
     return [
@@ -110,7 +112,7 @@ def _val_curve(scored: list[tuple[int, torch.Tensor]], noise: Trajectory, batch_
     ]
 
 
-def _tensors(split: Split, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def split_tensors(split: Split, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(split.x).to(device), torch.from_numpy(split.y).to(device)
 
 
@@ -124,15 +126,14 @@ class EpochStats:
     last_nonfinite_run: int
 
 
-def _epoch_stats(
-    losses: list[torch.Tensor], norms: list[torch.Tensor], strategy: Strategy, run_before: int
-) -> EpochStats:
-    """Mean train loss over ranks, and the gradient norm's mean/variance over the finite steps.
+def epoch_stats(losses: torch.Tensor, norms: torch.Tensor, strategy: Strategy, run_before: int) -> EpochStats:
+    """Mean train loss over ranks, and the gradient norm's mean/variance over the finite steps
+    (`losses`, `norms`: one value per step).
 
     Runs of non-finite steps continue the `run_before` steps that ended the previous epoch.
     """
-    train_loss = strategy.mean_across_ranks(torch.stack(losses).float().mean()).item()
-    norm = torch.stack(norms).float().cpu()
+    train_loss = strategy.mean_across_ranks(losses.float().mean()).item()
+    norm = norms.float().cpu()
     finite = torch.isfinite(norm)
     ok = norm[finite]
     worst = run = run_before
@@ -149,7 +150,7 @@ def _epoch_stats(
     )
 
 
-def _likely_cause(dataset: Dataset, strategy: Strategy) -> str:
+def likely_cause(dataset: Dataset, strategy: Strategy) -> str:
     """Why training went non-finite: bad inputs if any, otherwise the optimisation."""
     bad = [name for name in ("train", "val") if not np.isfinite(getattr(dataset, name).x).all()]
     if bad:
@@ -189,18 +190,18 @@ def fit(
             f"the strategy accumulates {strategy.grad_accum_steps} micro-batches per step, "
             f"train.grad_accum_steps is {tc.grad_accum_steps}: build it with Strategy.from_config"
         )
-    saved = Checkpoint(checkpoint, fingerprint(cfg, dataset), strategy.is_main)
-    trainee, initial_scaler = _trainee(cfg, dataset, strategy, steps), strategy.scaler.state_dict()
+    saved = strategy.checkpoint(checkpoint, fingerprint(cfg, dataset))
+    trainee, initial_scaler = new_trainee(cfg, dataset, strategy, steps), strategy.scaler.state_dict()
     state = saved.restore(trainee, strategy.device)
     if state is None:  # nothing to resume: a fresh start (a failed restore may have loaded part)
-        trainee, state = _trainee(cfg, dataset, strategy, steps), TrainState()
+        trainee, state = new_trainee(cfg, dataset, strategy, steps), TrainState()
         strategy.scaler.load_state_dict(initial_scaler)
     model, optimizer, schedule = trainee.model, trainee.optimizer, trainee.schedule
     noise = NoiseScale(enabled=tc.gns, population=n_train)
     noise.load_state_dict(state.noise_scale)  # a resumed run continues the EMAs
     net = strategy.setup(model, noise, F.cross_entropy)
-    x_train, y_train = _tensors(dataset.train, strategy.device)
-    x_val, y_val = _tensors(dataset.val, strategy.device)
+    x_train, y_train = split_tensors(dataset.train, strategy.device)
+    x_val, y_val = split_tensors(dataset.val, strategy.device)
     bar = _progress(tc.epochs, state.epoch, strategy.is_main)
 
     for epoch in range(state.epoch, tc.epochs):
@@ -233,14 +234,14 @@ def fit(
                 net.train()  # predict_logits left the model in eval mode
                 scoring_seconds += time.perf_counter() - scoring
         # one host sync per epoch: the step's figures stay on the device until here
-        stats = _epoch_stats(losses, norms, strategy, state.nonfinite_run)
-        state.val_curve += _val_curve(scored, noise.settle(), tc.batch_size)
+        stats = epoch_stats(torch.stack(losses), torch.stack(norms), strategy, state.nonfinite_run)
+        state.val_curve += val_curve_points(scored, noise.settle(), tc.batch_size)
         state.noise_scale = noise.state_dict()
         seconds = time.perf_counter() - started - scoring_seconds
         if stats.worst_nonfinite_run >= tc.max_nonfinite_steps:
             raise NonFiniteError(
                 f"{stats.worst_nonfinite_run} consecutive steps had non-finite gradients by epoch {epoch + 1} "
-                f"(limit train.max_nonfinite_steps={tc.max_nonfinite_steps}); {_likely_cause(dataset, strategy)}"
+                f"(limit train.max_nonfinite_steps={tc.max_nonfinite_steps}); {likely_cause(dataset, strategy)}"
             )
         val_logits = predict_logits(model, x_val, strategy)
         row: dict[str, float] = {
@@ -261,16 +262,16 @@ def fit(
             trainee.keep_best()
         if strategy.is_main:
             tracker.log_epoch(row, step=epoch + 1)
-            saved.save(trainee, state)
             _report(bar, row, tc.epochs)
+        saved.save(trainee, state)  # every rank: a sharded checkpoint holds each rank's shards
     if bar is not None:
         bar.close()
     if state.best_epoch < 0:  # the weights were never better than "no model": nothing to return
         raise NonFiniteError(
-            f"validation loss was never finite in {state.epoch} epochs; {_likely_cause(dataset, strategy)}"
+            f"validation loss was never finite in {state.epoch} epochs; {likely_cause(dataset, strategy)}"
         )
     model.load_state_dict(trainee.best_weights)
-    model.eval()
+    model = strategy.unwrap(model).eval()
     stopped_early = len(state.history) < tc.epochs
     return TrainResult(
         model=model,
@@ -281,9 +282,9 @@ def fit(
     )
 
 
-def _trainee(cfg: Config, dataset: Dataset, strategy: Strategy, steps: int) -> Trainee:
-    """The initial model on the device, its optimizer and schedule, and the strategy's scaler."""
-    model = initial_model(cfg, dataset.n_features, dataset.n_classes).to(strategy.device)
+def new_trainee(cfg: Config, dataset: Dataset, strategy: Strategy, steps: int) -> Trainee:
+    """The initial model on the device (sharded under FSDP), its optimizer and schedule, and the strategy's scaler."""
+    model = strategy.prepare(initial_model(cfg, dataset.n_features, dataset.n_classes).to(strategy.device))
     optimizer = make_optimizer(cfg.train, model.parameters())
     schedule = make_schedule(cfg.train, optimizer, steps)
     return Trainee(model, optimizer, schedule, strategy.scaler, copy.deepcopy(model.state_dict()))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,6 +37,24 @@ def metrics_from_rows(rows: list[dict[str, Any]]) -> list[Any]:
 def log_metrics_batched(client: Any, run_id: str, metrics: list[Any]) -> None:
     for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
         retry_locked(client.log_batch, run_id, metrics=metrics[i : i + 1000])
+
+
+def torch_flavor() -> ModuleType:
+    """mlflow.pytorch without its Lightning callback: importing mlflow.pytorch imports Lightning
+    whenever it is installed (3.9 s here) for a checkpoint callback batchlab never uses. A process
+    that already imported Lightning keeps MLflow's behaviour; autolog imports it on demand as before."""
+    blocked = "mlflow.pytorch._lightning_autolog"
+    lightning = {"lightning", "pytorch_lightning"} & sys.modules.keys()
+    if "mlflow.pytorch" in sys.modules or lightning or blocked in sys.modules:
+        import mlflow.pytorch
+
+        return mlflow.pytorch
+    sys.modules[blocked] = None  # type: ignore[assignment]  # its import raises ImportError, which mlflow.pytorch expects
+    try:
+        import mlflow.pytorch
+    finally:
+        del sys.modules[blocked]
+    return mlflow.pytorch
 
 
 class MlflowTracker(Tracker):
@@ -148,7 +168,6 @@ class MlflowTracker(Tracker):
         return [f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}", "numpy"]
 
     def log_torch_model(self, model: nn.Module, example: np.ndarray) -> str | None:
-        import mlflow
         import torch
         from mlflow.models import infer_signature
 
@@ -157,7 +176,7 @@ class MlflowTracker(Tracker):
 
         def log_model() -> str:
             with _active(self.run_id):
-                info = mlflow.pytorch.log_model(
+                info = torch_flavor().log_model(
                     model,
                     name="model",
                     signature=infer_signature(example, output),

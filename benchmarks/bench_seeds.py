@@ -1,0 +1,115 @@
+"""Seeds for the price of one: the sweep's 5 seeds of a batch size trained together vs one seed alone.
+
+Each variant trains a sweep experiment's config (the params.yaml model: MLP [64, 64], dropout
+0.1, AdamW, the noise scale on, the val split scored 10x per epoch, early stopping off) on 1
+thread, wall time of the training call: fit() for one seed, fit() five times one after another
+(what the sweep did before), vectorized.fit_seeds() for five together. The variants run
+interleaved in one process, the median of REPEATS is kept, and the load average is recorded
+before and after: a neighbour's load hits every variant alike. Target (issue #12): 5 seeds
+together in ≤ 2x one seed's wall time. The "dropout 0" rows show what the dropout masks cost:
+each seed draws its own (one bernoulli_ per seed and layer, the draws its separate run makes),
+so they cost as much per seed together as apart.
+
+    python benchmarks/run_all.py --only seeds    # or `make bench`: results.json and the README tables
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from batchlab import sweep, vectorized
+from batchlab.config import Config, load_config
+from batchlab.data import Dataset, build
+from batchlab.strategy import Strategy
+from batchlab.train import fit
+from common import REPO, Table, progress, verdict
+
+BATCH_SIZES = (16, 32, 64)
+SEEDS = (0, 1, 2, 3, 4)
+EPOCHS = 5
+REPEATS = 5
+TARGET = 2.0  # 5 seeds together in at most 2x one seed's wall time
+OUT = REPO / "benchmarks" / "out" / "seeds.md"
+
+
+def configs(base: Config, batch: int, n_train: int, dropout: float | None = None) -> list[Config]:
+    model = base.model if dropout is None else base.model.model_copy(update={"dropout": dropout})
+    cfg = base.model_copy(
+        update={
+            "model": model,
+            "train": base.train.model_copy(update={"threads": 1, "device": "cpu"}),
+            "tracking": base.tracking.model_copy(update={"enabled": False}),
+        }
+    )
+    exps = [e for e in sweep.plan(cfg, n_train) if e.batch_size == batch]
+    return [sweep.experiment_config(cfg, e) for e in exps]
+
+
+def seconds(call: Any) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
+def variants(cfgs: list[Config], plain: list[Config], dataset: Dataset) -> dict[str, Any]:
+    """`plain`: the same without dropout, whose masks (one bernoulli_ per seed and layer, the draws a
+    separate run makes) cost as much per seed together as apart."""
+    cpu = torch.device("cpu")
+    n = len(cfgs)
+    return {
+        "1 seed, fit()": lambda: fit(cfgs[0], dataset, Strategy(cpu)),
+        f"{n} seeds, fit() one after another": lambda: [fit(c, dataset, Strategy(cpu)) for c in cfgs],
+        f"{n} seeds together, fit_seeds()": lambda: vectorized.fit_seeds(cfgs, dataset, Strategy(cpu)),
+        "1 seed, fit(), dropout 0": lambda: fit(plain[0], dataset, Strategy(cpu)),
+        f"{n} seeds together, fit_seeds(), dropout 0": lambda: vectorized.fit_seeds(plain, dataset, Strategy(cpu)),
+    }
+
+
+def main() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    base = load_config(REPO / "params.yaml")
+    base = base.model_copy(
+        update={"sweep": base.sweep.model_copy(update={"batch_sizes": list(BATCH_SIZES), "seeds": list(SEEDS),
+                                                        "epochs": EPOCHS, "lr_multipliers": [1.0]})}
+    )  # fmt: skip
+    dataset = build(base.data)[0]
+    n_train = dataset.train.y.shape[0]
+    load_before = os.getloadavg()[0]
+    table = Table(
+        f"Seeds trained together: a sweep experiment's training, {EPOCHS} epochs over {n_train} rows, "
+        f"MLP [64, 64], dropout 0.1, AdamW, noise scale on, 1 thread, wall seconds, median of {REPEATS}",
+        ["batch", "variant", "seconds", "vs 1 seed (same dropout)", "target ≤ 2× 1 seed"],
+    )
+    measured: dict[str, Any] = {}
+    # torch.func's first call in a process costs ~1 s: paid here, not by the first variant
+    fit(configs(base, BATCH_SIZES[-1], n_train)[0], dataset, Strategy(torch.device("cpu")))
+    for batch in BATCH_SIZES:
+        runs = variants(configs(base, batch, n_train), configs(base, batch, n_train, dropout=0.0), dataset)
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for repeat in range(REPEATS):
+            progress(f"seeds: batch {batch}, repeat {repeat + 1}/{REPEATS}")
+            for name, call in runs.items():
+                times[name].append(seconds(call))
+        median = {name: statistics.median(t) for name, t in times.items()}
+        for name in runs:
+            ratio = median[name] / median["1 seed, fit(), dropout 0" if "dropout 0" in name else "1 seed, fit()"]
+            target = verdict(ratio <= TARGET) if "together" in name and "dropout 0" not in name else ""
+            table.add(batch, name, f"{median[name]:.2f}", f"{ratio:.2f}×", target)
+        measured[str(batch)] = {"seconds": times, "median_seconds": median}
+    load = {"load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
+    table.title += f"; load average {load_before:.2f} before, {load['load_average_after']:.2f} after"
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(f"**{table.title}**\n\n" + "\n".join(" | ".join(row) for row in table.rows) + "\n")
+    print(f"**{table.title}**")
+    for row in table.rows:
+        print(" | ".join(row))
+    return {"tables": [table.as_dict()], "measured": measured, **load}
+
+
+if __name__ == "__main__":
+    main()

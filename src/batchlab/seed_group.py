@@ -1,0 +1,113 @@
+"""The sweep's seeds of one batch size and lr multiplier, trained together (vectorized.py).
+
+Each seed still gets what sweep._train_and_score gives an experiment trained alone: its MLflow
+child run with the same params, tags, epoch metrics (at their epoch steps) and logged model,
+its folder with model.pt, history.csv, val_curve.csv, train.json and result.json. The child
+runs are opened once the group has trained: MLflow keeps one active run per thread, so sibling
+child runs cannot be open at once, and a model is logged into the active run.
+
+Where seeds cannot train together (strategy.seeds_train_apart: ddp, fp16/bf16, accumulation,
+CUDA) or `sweep.vectorize_seeds` is false, each experiment trains alone, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from batchlab import data, launch, stages
+from batchlab.config import Config
+from batchlab.strategy import seeds_train_apart
+
+if TYPE_CHECKING:
+    from batchlab.sweep import Experiment
+
+log = logging.getLogger(__name__)
+
+
+def groups(cfg: Config, todo: list[Experiment]) -> list[list[Experiment]]:
+    """The experiments to run, grouped by (batch size, lr multiplier) when their seeds can train
+    together, else one per group; says once why they cannot."""
+    reason = seeds_train_apart(cfg.train)
+    if not cfg.sweep.vectorize_seeds or reason is not None:
+        if reason is not None and cfg.sweep.vectorize_seeds and len(cfg.sweep.seeds) > 1:
+            log.info("sweep: seeds train one after another: %s", reason)
+        return [[exp] for exp in todo]
+    together: dict[tuple[int, float], list[Experiment]] = {}
+    for exp in todo:
+        together.setdefault((exp.batch_size, exp.lr_multiplier), []).append(exp)
+    return list(together.values())
+
+
+def run_group(cfg: Config, exps: list[Experiment], paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
+    """Every experiment's result row, by name: in this process, or in a fresh one with its share of
+    the cores when sweep.parallel groups run at once (as sweep.run_experiment does for one)."""
+    from batchlab import sweep  # sweep calls this module: imported when it runs
+
+    if len(exps) == 1:
+        return {exps[0].name: sweep.run_experiment(cfg, exps[0], paths, parent_run_id)}
+    if cfg.sweep.parallel == 1:
+        return train_group(cfg, exps, paths, parent_run_id)
+    threads = launch.threads_per_process(cfg.sweep.parallel)
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(_isolated, cfg, exps, paths, parent_run_id, threads).result()
+
+
+def _isolated(
+    cfg: Config, exps: list[Experiment], paths: stages.Paths, parent_run_id: str | None, threads: int
+) -> dict[str, Any]:
+    launch.limit_cores(threads)
+    torch.set_num_threads(launch.sweep_threads(cfg, data.shape(paths.data)))
+    return train_group(cfg, exps, paths, parent_run_id)
+
+
+def train_group(cfg: Config, exps: list[Experiment], paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
+    """Seeds that resume from the same epoch (0: a fresh start) train together; one alone trains as before."""
+    from batchlab import sweep, vectorized
+
+    dataset = data.load(paths.data)
+    cfgs = [sweep.experiment_config(cfg, exp) for exp in exps]
+    checkpoints = [sweep.experiment_paths(paths, exp).checkpoint for exp in exps]
+    epochs = vectorized.epochs_to_resume(cfgs, dataset, checkpoints)
+    results: dict[str, Any] = {}
+    for epoch in sorted(set(epochs)):
+        part = [exp for exp, resumes in zip(exps, epochs, strict=True) if resumes == epoch]
+        if len(part) == 1:
+            results[part[0].name] = sweep._train_and_score(cfg, part[0], paths, parent_run_id)
+        else:
+            results.update(_train_together(cfg, part, paths, parent_run_id, dataset))
+    return results
+
+
+def _train_together(
+    cfg: Config, exps: list[Experiment], paths: stages.Paths, parent_run_id: str | None, dataset: data.Dataset
+) -> dict[str, Any]:
+    from batchlab import sweep, vectorized
+    from batchlab.strategy import session
+
+    started = time.perf_counter()
+    cfgs = [sweep.experiment_config(cfg, exp) for exp in exps]
+    folders = [sweep.experiment_paths(paths, exp) for exp in exps]
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    log.info("sweep: %s train together", ", ".join(exp.name for exp in exps))
+    with session(cfgs[0].train) as strategy:
+        trained = vectorized.fit_seeds(cfgs, dataset, strategy, checkpoints=[f.checkpoint for f in folders])
+    share = (time.perf_counter() - started) / len(exps)  # each seed's part of the group's wall time
+    results = {}
+    for exp, exp_cfg, folder, result in zip(exps, cfgs, folders, trained, strict=True):
+        begun = time.perf_counter()
+        tags = {**sweep.experiment_tags(exp), "sweep.trained_with_seeds": str(len(exps))}
+        with stages.train_run(exp_cfg, folder, dataset, parent_run_id, f"sweep-{exp.name}", tags) as tracker:
+            for row in result.history:  # every epoch, a resumed group's earlier ones too
+                tracker.log_epoch(row, step=int(row["epoch"]))
+            tracker.flush()
+            stages.write_trained(exp_cfg, folder, result, dataset)
+            info = stages.log_trained(tracker, folder, dataset)
+        results[exp.name] = sweep.score(cfg, exp, paths, info, dataset, share + time.perf_counter() - begun)
+    return results

@@ -1,0 +1,249 @@
+"""Seeds trained together: fit_seeds(...) -> one TrainResult per seed, each what `fit` gives a separate run.
+
+The seeds' models are stacked into one set of [S, ...] tensors and trained by one batched
+forward and backward per step (stacked.py) and one optimizer step (seed_optimizer.py). Each
+seed keeps everything `fit` gives a separate run: its data order and initial weights
+(train.seed), its dropout masks (its own generator, seeded and drawn as `fit` draws them from
+the global RNG), its gradient norm and non-finite skip, noise scale, val curve, early stopping,
+history, best weights, checkpoint and tracker. In fp32 on the CPU the results equal separate
+runs within 1e-6 (tests/test_vectorized.py); on the machines here, bit for bit: the same
+kernels in the same order (stacked.py's linear backward, norm and loss are written for it).
+A seed's checkpoint holds its model, optimizer and schedule as `fit` writes them: either path
+resumes the other's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from batchlab.checkpoint import Checkpoint, TrainState
+from batchlab.config import Config
+from batchlab.data import Dataset
+from batchlab.gns import NoiseScale
+from batchlab.seed_optimizer import SeedOptimizer
+from batchlab.stacked import Seed, StackedModels
+from batchlab.strategy import Strategy, seeds_train_apart
+from batchlab.tracking import Tracker
+from batchlab.train import (
+    NonFiniteError,
+    TrainResult,
+    epoch_stats,
+    fingerprint,
+    likely_cause,
+    new_trainee,
+    split_tensors,
+    steps_per_epoch,
+    val_curve_points,
+)
+from batchlab.validate import batch_fits
+
+log = logging.getLogger(__name__)
+
+
+def same_but_seed(cfgs: list[Config]) -> None:
+    """Seeds train together only when nothing but train.seed differs, in a setting the path is checked in."""
+    if not cfgs:
+        raise ValueError("fit_seeds needs at least one config")
+    neutral = {c.model_copy(update={"train": c.train.model_copy(update={"seed": 0})}).model_dump_json() for c in cfgs}
+    if len(neutral) > 1:
+        raise ValueError("fit_seeds trains configs that differ in train.seed only")
+    reason = seeds_train_apart(cfgs[0].train)
+    if reason:
+        raise ValueError(f"seeds cannot train together: {reason}")
+
+
+def resumable_epoch(path: Path, fingerprint: str) -> int:
+    """The epochs a checkpoint at `path` holds for this fingerprint (0: none, another run's, unreadable)."""
+    if not path.is_file():
+        return 0
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        return int(saved["state"]["epoch"]) if saved.get("fingerprint") == fingerprint else 0
+    except Exception:  # damaged: `Checkpoint.restore` sets it aside, the seed starts over
+        return 0
+
+
+def fit_seeds(
+    cfgs: list[Config],
+    dataset: Dataset,
+    strategy: Strategy,
+    trackers: list[Tracker] | None = None,
+    checkpoints: list[Path | None] | None = None,
+) -> list[TrainResult]:
+    """Train the configs of `cfgs` (equal but for train.seed) together; resume each from its checkpoint."""
+    same_but_seed(cfgs)
+    tc = cfgs[0].train
+    n_train = dataset.train.y.shape[0]
+    steps = steps_per_epoch(n_train, tc.batch_size)
+    batch_fits(tc.batch_size, n_train, "train.batch_size")
+    seeds = _restore(cfgs, dataset, strategy, steps, trackers or [Tracker() for _ in cfgs], checkpoints)
+    group = StackedModels(seeds, strategy)
+    optimizer = SeedOptimizer(tc, list(group.weights.values()), [seed.params for seed in seeds], steps)
+    optimizer.load_from([seed.trainee for seed in seeds])
+    x_train, y_train = split_tensors(dataset.train, strategy.device)
+    x_val, y_val = split_tensors(dataset.val, strategy.device)
+    first = seeds[0].state.epoch
+
+    for epoch in range(first, tc.epochs):
+        for seed in seeds:  # checked before the epoch, as `fit` does: a resumed run stops too
+            seed.active = seed.active and not seed.state.should_stop(tc.early_stopping_patience)
+        if not any(seed.active for seed in seeds):
+            break
+        orders = torch.stack(
+            [
+                torch.randperm(n_train, generator=torch.Generator().manual_seed(s.cfg.train.seed * 100_003 + epoch))
+                for s in seeds
+            ]
+        ).to(strategy.device)
+        for seed in seeds:
+            seed.dropout.manual_seed(seed.cfg.train.seed * 7919 + epoch * 131 + strategy.rank)
+        losses: list[torch.Tensor] = []  # [S] per step
+        norms: list[torch.Tensor] = []
+        scored: list[tuple[int, torch.Tensor]] = []
+        scoring_seconds = 0.0
+        started = time.perf_counter()
+        for step in range(steps):
+            rows = orders[:, step * tc.batch_size : (step + 1) * tc.batch_size]
+            # index_select: the same rows as x_train[rows], at a fraction of advanced indexing's cost
+            inputs = x_train.index_select(0, rows.flatten()).view(*rows.shape, -1)
+            targets = y_train.index_select(0, rows.flatten()).view(rows.shape)
+            losses.append(group.backward(inputs, targets))
+            norms.append(group.measure())
+            optimizer.step(group.stepping(norms[-1]))
+            group.zero_grad()
+            done = epoch * steps + step + 1
+            if tc.eval_every_steps and done % tc.eval_every_steps == 0:
+                scoring = time.perf_counter()
+                logits = group.predict(x_val)
+                scored.append((done, torch.stack([F.cross_entropy(out, y_val) for out in logits])))
+                scoring_seconds += time.perf_counter() - scoring
+        active = [s for s in seeds if s.active]
+        # the group's time, shared by the seeds it trained: their epoch_seconds add up to the wall time
+        seconds = (time.perf_counter() - started - scoring_seconds) / len(active)
+        logits = group.predict(x_val)
+        step_losses, step_norms = torch.stack(losses), torch.stack(norms)
+        for i, seed in enumerate(seeds):
+            if seed.active:
+                figures = _EpochFigures(step_losses[:, i], step_norms[:, i], [(n, v[i]) for n, v in scored], seconds)
+                _finish_epoch(seed, epoch, figures, logits[i], y_val, optimizer.lr, dataset, strategy)
+        optimizer.save_to([seed.trainee for seed in seeds])
+        for seed in active:
+            if strategy.is_main:
+                seed.checkpoint.save(seed.trainee, seed.state)
+        log.info("epoch %d/%d, %d seeds: val_loss %s", epoch + 1, tc.epochs, len(active),
+                 " ".join(f"{s.state.history[-1]['val_loss']:.4f}" for s in active))  # fmt: skip
+    return [_result(seed, dataset, strategy) for seed in seeds]
+
+
+def _restore(
+    cfgs: list[Config],
+    dataset: Dataset,
+    strategy: Strategy,
+    steps: int,
+    trackers: list[Tracker],
+    checkpoints: list[Path | None] | None,
+) -> list[Seed]:
+    """Every seed's trainee and state, from its checkpoint when all of them hold the same epoch."""
+    paths = checkpoints or [None for _ in cfgs]
+    saved = [
+        Checkpoint(path, fingerprint(cfg, dataset), strategy.is_main) for cfg, path in zip(cfgs, paths, strict=True)
+    ]
+    trainees = [new_trainee(cfg, dataset, strategy, steps) for cfg in cfgs]
+    found = [c.path is not None and c.path.is_file() for c in saved]  # restore may move a damaged one
+    states = [checkpoint.restore(trainee, strategy.device) for checkpoint, trainee in zip(saved, trainees, strict=True)]
+    if len({0 if state is None else state.epoch for state in states}) > 1:
+        # one stacked model steps every seed at once: they start from one epoch
+        log.warning("the seeds' checkpoints hold different epochs; training every seed of the group from the start")
+        states = [None for _ in cfgs]
+    seeds: list[Seed] = []
+    for cfg, checkpoint, trainee, state, tracker, tried in zip(
+        cfgs, saved, trainees, states, trackers, found, strict=True
+    ):
+        if state is None:  # a restore that failed may have loaded part: build it again
+            trainee, state = new_trainee(cfg, dataset, strategy, steps) if tried else trainee, TrainState()
+        noise = NoiseScale(enabled=cfg.train.gns, population=dataset.train.y.shape[0])
+        noise.load_state_dict(state.noise_scale)
+        seeds.append(Seed(cfg, len(seeds), trainee, state, checkpoint, tracker, noise, torch.Generator()))
+    return seeds
+
+
+@dataclass(frozen=True)
+class _EpochFigures:
+    """One seed's figures of an epoch, still on the device."""
+
+    losses: torch.Tensor  # per step
+    norms: torch.Tensor  # per step
+    scored: list[tuple[int, torch.Tensor]]  # (global step, val loss)
+    seconds: float  # its share of the group's time
+
+
+def _finish_epoch(
+    seed: Seed,
+    epoch: int,
+    figures: _EpochFigures,
+    val_logits: torch.Tensor,
+    y_val: torch.Tensor,
+    lr: float,
+    dataset: Dataset,
+    strategy: Strategy,
+) -> None:
+    """The epoch's row of one seed, recorded as `fit` records it."""
+    tc, state, noise = seed.cfg.train, seed.state, seed.noise
+    stats = epoch_stats(figures.losses.contiguous(), figures.norms.contiguous(), strategy, state.nonfinite_run)
+    state.val_curve += val_curve_points(figures.scored, noise.settle(), tc.batch_size)
+    state.noise_scale = noise.state_dict()
+    if stats.worst_nonfinite_run >= tc.max_nonfinite_steps:
+        raise NonFiniteError(
+            f"seed {tc.seed}: {stats.worst_nonfinite_run} consecutive steps had non-finite gradients by epoch "
+            f"{epoch + 1} (limit train.max_nonfinite_steps={tc.max_nonfinite_steps}); {likely_cause(dataset, strategy)}"
+        )
+    steps, seconds = figures.losses.shape[0], figures.seconds
+    row: dict[str, float] = {
+        "epoch": float(epoch + 1),
+        "train_loss": stats.train_loss,
+        "val_loss": F.cross_entropy(val_logits, y_val).item(),
+        "val_accuracy": (val_logits.argmax(1) == y_val).float().mean().item(),
+        "samples_per_s": steps * tc.batch_size / seconds,
+        "epoch_seconds": seconds,
+        "peak_memory_mb": strategy.peak_memory_mb(),
+        "grad_norm_mean": stats.norm_mean,
+        "grad_norm_var": stats.norm_var,
+        "nonfinite_steps": float(stats.nonfinite),
+        "lr": lr,
+        **noise.metrics(),
+    }
+    if state.record(row, stats.last_nonfinite_run):
+        seed.trainee.keep_best()
+    seed.tracker.log_epoch(row, step=epoch + 1)
+
+
+def _result(seed: Seed, dataset: Dataset, strategy: Strategy) -> TrainResult:
+    state = seed.state
+    if state.best_epoch < 0:
+        raise NonFiniteError(
+            f"seed {seed.cfg.train.seed}: validation loss was never finite in {state.epoch} epochs; "
+            f"{likely_cause(dataset, strategy)}"
+        )
+    model = seed.trainee.model
+    for param in model.parameters():  # its own memory again: saved alone, it must not carry the other seeds'
+        param.data, param.grad = param.data.clone(), None
+    model.load_state_dict(seed.trainee.best_weights)
+    model.eval()
+    return TrainResult(
+        model=model,
+        history=state.history,
+        best_epoch=state.best_epoch,
+        stopped_early=len(state.history) < seed.cfg.train.epochs,
+        val_curve=state.val_curve,
+    )
+
+
+def epochs_to_resume(cfgs: list[Config], dataset: Dataset, checkpoints: list[Path]) -> list[int]:
+    """Each seed's resumable epoch, so a caller can group seeds that start from the same one."""
+    return [resumable_epoch(path, fingerprint(cfg, dataset)) for cfg, path in zip(cfgs, checkpoints, strict=True)]
