@@ -95,3 +95,13 @@ def test_loading_config_has_no_side_effects(tmp_path: Path, monkeypatch: pytest.
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(merge(_real_params(), TINY)))
     load_config()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
+
+
+def test_dask_executor_needs_a_scheduler_address() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(merge(TINY, {"sweep": {"executor": "dask"}}))
+    assert str(err.value) == "sweep.dask_address is required when sweep.executor is dask (the scheduler's host:port)"
+    cfg = parse_config(merge(TINY, {"sweep": {"executor": "dask", "dask_address": "tcp://127.0.0.1:8786"}}))
+    assert cfg.sweep.dask_address == "tcp://127.0.0.1:8786"
+    with pytest.raises(ConfigError, match=r"sweep\.executor"):
+        parse_config(merge(TINY, {"sweep": {"executor": "ray"}}))
