@@ -1,6 +1,7 @@
-"""The sweep on a dask.distributed cluster: one Prefect task run per experiment on a DaskTaskRunner.
+"""The sweep on a dask.distributed cluster: one Prefect task run per experiment on a DaskTaskRunner
+(per seed group where the local executor trains a batch size's seeds together: seed_group.py).
 
-Each task runs the very function the local executor runs (sweep._train_and_score), so results,
+Each task runs the very function the local executor runs (seed_group.train_group), so results,
 MLflow child runs, resume and the report are the same. Before training, a task checks that its
 worker runs the same batchlab (version and source) on the same data (content hash), fetching the
 data with `dvc pull` when the worker's checkout has none. A worker killed mid-experiment: the
@@ -23,7 +24,7 @@ from prefect.cache_policies import NONE
 from prefect.futures import as_completed
 
 import batchlab
-from batchlab import atomic, data, launch, orchestration, stages, sweep, tracking
+from batchlab import atomic, data, launch, orchestration, seed_group, stages, sweep, tracking
 from batchlab.config import Config, ConfigError
 
 # the worker's checkout of the repo, when it is not at the path the sweep was started from
@@ -126,36 +127,45 @@ def _worker_threads() -> int:
 
 @task(
     name="experiment",
-    task_run_name="{exp.name}",
+    task_run_name="{name}",
     retries=2,  # a tracking server restarting; a killed worker is the scheduler's retry
     retry_condition_fn=orchestration.retry_transient,  # never a WorkerMismatch
     cache_policy=NONE,
 )
 def experiment(
-    cfg: Config, exp: sweep.Experiment, root: str, outputs: str, parent_run_id: str | None, want: Expected
-) -> Any:
+    cfg: Config,
+    group: list[sweep.Experiment],
+    name: str,
+    root: str,
+    outputs: str,
+    parent_run_id: str | None,
+    want: Expected,
+) -> dict[str, Any]:
+    """The result rows, by name, of one experiment, or of the seeds of a batch size trained together."""
     paths = worker_paths(root, outputs)
     check_worker(want, paths)
     launch.limit_cores(_worker_threads())
     launch.use_threads(launch.sweep_threads(cfg, data.shape(paths.data)))
-    return sweep._train_and_score(cfg, exp, paths, parent_run_id)
+    return seed_group.train_group(cfg, group, paths, parent_run_id)
 
 
 @flow(name="batchlab-sweep-dask", validate_parameters=False)
 def on_cluster(
     cfg: Config, todo: list[sweep.Experiment], paths: stages.Paths, parent_run_id: str | None, want: Expected
 ) -> dict[str, dict[str, Any]]:
-    """Submit every experiment at once; the scheduler places them on free worker threads."""
+    """Submit every task at once; the scheduler places them on free worker threads. A task is one
+    experiment, or the seeds of one batch size trained together, as the local executor groups them."""
     root, outputs = str(paths.root.resolve()), os.path.relpath(paths.outputs, paths.root)
-    futures = {exp.name: experiment.submit(cfg, exp, root, outputs, parent_run_id, want) for exp in todo}
-    names = {future.task_run_id: name for name, future in futures.items()}
+    futures = []
+    for group in seed_group.groups(cfg, todo):
+        name = "+".join(exp.name for exp in group)
+        futures.append(experiment.submit(cfg, group, name, root, outputs, parent_run_id, want))
     results: dict[str, dict[str, Any]] = {}
-    for done in as_completed(list(futures.values())):
-        name = names[done.task_run_id]
-        result = done.result()
-        # kept here too: a resume finds it even when the workers' folders are not this one
-        atomic.write_json(paths.outputs / "sweep" / "experiments" / name / "result.json", result)
-        results[name] = result
+    for done in as_completed(futures):
+        for name, result in done.result().items():
+            # kept here too: a resume finds it even when the workers' folders are not this one
+            atomic.write_json(paths.outputs / "sweep" / "experiments" / name / "result.json", result)
+            results[name] = result
     return results
 
 
