@@ -27,7 +27,8 @@ from common import BIN, REPO, Table, cli_env, markdown, progress, run_cli
 
 WORKERS = 2
 RATIO_TARGET = 1.7  # issue #14: 2 workers x 1 thread against one local lane, on 2 cores
-SWEEP = {"batch_sizes": [16, 32, 64, 128], "seeds": [0, 1, 2], "epochs": 100, "parallel": 1}
+# one task per experiment (no seed groups), so each result's own times tell where a worker's time went
+SWEEP = {"batch_sizes": [16, 32, 64, 128], "seeds": [0, 1, 2], "epochs": 100, "parallel": 1, "vectorize_seeds": False}
 
 
 def _port() -> int:
