@@ -25,6 +25,7 @@ from mlflow import MlflowClient
 from batchlab import stages, sweep
 from batchlab.config import load_config, parse_config
 from tests.conftest import (
+    BIN,
     REPO,
     TINY,
     MlflowServer,
@@ -63,12 +64,12 @@ class Cluster:
     def scheduler(self) -> None:
         port = free_port()
         self.address = f"tcp://127.0.0.1:{port}"
-        cmd = ["dask", "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"]
+        cmd = [str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"]
         self.start("scheduler", cmd, "Scheduler at:")
 
     def worker(self, name: str, **env: str) -> None:
         # one experiment at a time per worker; non-daemonic, so experiments may start torchrun
-        cmd = ["dask", "worker", self.address, "--name", name, "--nthreads", "1", "--no-dashboard"]
+        cmd = [str(BIN / "dask"), "worker", self.address, "--name", name, "--nthreads", "1", "--no-dashboard"]
         self.start(name, cmd, "Registered to:", DASK_DISTRIBUTED__WORKER__DAEMON="False", **env)
 
     def kill(self, name: str) -> None:
