@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchlab import gns, seed_group, stages, sweep, vectorized
+from batchlab import data, gns, probes, seed_group, stages, sweep, vectorized
 from batchlab.config import Config
 from batchlab.data import Dataset, Split
 from batchlab.strategy import Strategy
@@ -141,8 +141,16 @@ def test_sweep_with_seeds_together_gives_the_sequential_result_rows(
         }
         assert (reports["together"] / "train.json").is_file() and (reports["together"] / "history.csv").is_file()
         assert not (reports["together"].parent / ".batchlab/checkpoints/train.pt").exists()
-    # the group's wall time is shared, not counted once per seed
+    # the group's wall time is shared, not counted once per seed; the speed compared across batch
+    # sizes is one training alone (probes.solo_speed), the same figure for every seed of a batch size
     assert sum(r["train_seconds"] for r in together) > 0
+    cfg = tiny_config(sweep={"batch_sizes": [16, 64], "seeds": [0, 1], "vectorize_seeds": True})
+    dataset = data.load(stages.Paths(tmp_path / "together").data)
+    for row in together:
+        exp = sweep.Experiment(**{k: row[k] for k in ("batch_size", "seed", "lr", "epochs", "lr_multiplier",
+                                                         "eval_every_steps")})  # fmt: skip
+        solo = probes.solo_speed(sweep.experiment_config(cfg, exp), dataset)  # measured once: the same figure
+        assert (row["samples_per_s"], row["epoch_seconds"]) == (solo["samples_per_s"], solo["epoch_seconds"])
 
 
 def test_seeds_train_apart_where_the_vectorized_path_does_not_apply(caplog: pytest.LogCaptureFixture) -> None:

@@ -30,11 +30,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def trains_together(cfg: Config) -> bool:
+    """Whether this sweep trains the seeds of a batch size together."""
+    return cfg.sweep.vectorize_seeds and len(cfg.sweep.seeds) > 1 and seeds_train_apart(cfg.train) is None
+
+
 def groups(cfg: Config, todo: list[Experiment]) -> list[list[Experiment]]:
     """The experiments to run, grouped by (batch size, lr multiplier) when their seeds can train
     together, else one per group; says once why they cannot."""
     reason = seeds_train_apart(cfg.train)
-    if not cfg.sweep.vectorize_seeds or reason is not None:
+    if not trains_together(cfg):
         if reason is not None and cfg.sweep.vectorize_seeds and len(cfg.sweep.seeds) > 1:
             log.info("sweep: seeds train one after another: %s", reason)
         return [[exp] for exp in todo]

@@ -24,9 +24,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from batchlab import atomic, data, evaluate, executors, launch, memory, report, stages, study, tracking
+from batchlab import atomic, data, evaluate, executors, launch, probes, report, seed_group, stages, study, tracking
 from batchlab.config import Config, parse_config
-from batchlab.strategy import resolve_device
 from batchlab.sweep_lock import exclusive
 from batchlab.train import steps_per_epoch
 from batchlab.validate import batches_fit
@@ -99,20 +98,6 @@ def fingerprint(cfg: Config, exp: Experiment, data_hash: str) -> str:
     return f"{experiment_config(cfg, exp).section_hash('model', 'train')}-{data_hash}-{code_hash()}"
 
 
-_STEP_MEMORY: dict[str, float] = {}
-
-
-def _step_memory(cfg: Config, n_features: int, n_classes: int) -> float:
-    """The tensor peak of one step: the same for every seed and lr, so measured once per batch size."""
-    raw = cfg.model_dump()
-    raw["train"].update(seed=0, lr=1.0)  # neither moves the memory
-    key = parse_config(raw).section_hash("model", "train") + f"-{n_features}-{n_classes}"
-    if key not in _STEP_MEMORY:
-        batch = cfg.train.batch_size // cfg.train.world_size()  # one process's share
-        _STEP_MEMORY[key] = memory.step_memory_mib(cfg, n_features, n_classes, batch, resolve_device(cfg.train))
-    return _STEP_MEMORY[key]
-
-
 def _floats(rows: list[dict[str, str]], key: str) -> list[float]:
     return [float(row[key]) if row.get(key) not in (None, "") else math.nan for row in rows]
 
@@ -167,8 +152,12 @@ def score(
     curve = atomic.read_csv(exp_paths.reports / "val_curve.csv")
     test, _, _ = evaluate.score_test_split(exp_paths.model, dataset)
     train_seconds = sum(h["epoch_seconds"] for h in history)
-    # read before the step-memory probe, which resets the process's RSS peak
+    # read before the probes, which reset the process's RSS peak
     peak_rss = max(h["peak_memory_mb"] for h in history)
+    if seed_group.trains_together(cfg):  # a seed's share of its group's time: see probes.solo_speed
+        speed = probes.solo_speed(exp_cfg, dataset)
+    else:  # medians: one epoch slowed by a busy machine should not move the comparison
+        speed = {k: statistics.median(h[k] for h in history) for k in ("samples_per_s", "epoch_seconds")}
     result = {
         **asdict(exp),
         "name": exp.name,
@@ -176,11 +165,9 @@ def score(
         "run_id": info.get("run_id"),
         "test_accuracy": test["accuracy"],
         "test_f1_macro": test["f1_macro"],
-        # medians: one epoch slowed by a busy machine should not move the comparison
-        "samples_per_s": statistics.median(h["samples_per_s"] for h in history),
-        "epoch_seconds": statistics.median(h["epoch_seconds"] for h in history),
+        **speed,
         "train_seconds": train_seconds,
-        "step_memory_mib": _step_memory(exp_cfg, dataset.n_features, dataset.n_classes),
+        "step_memory_mib": probes.step_memory(exp_cfg, dataset.n_features, dataset.n_classes),
         "peak_rss_mib": peak_rss,
         "grad_norm_mean": statistics.fmean(h["grad_norm_mean"] for h in history),
         "gns_b_simple": history[-1].get("gns.b_simple", math.nan),
