@@ -94,6 +94,21 @@ def wait_until(
         time.sleep(interval)
 
 
+def prefect_call(api: str, call: Callable[[Any], Any]) -> Any:
+    """Await `call(client)` with a Prefect client of the server at `api`."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    async def go() -> Any:
+        async with get_client() as client:
+            return await call(client)
+
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        return asyncio.run(go())
+
+
 def env_with_venv(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("MLFLOW_TRACKING_URI", None)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 from collections.abc import Iterator
@@ -12,11 +11,10 @@ from typing import Any
 import httpx
 import pytest
 from mlflow import MlflowClient
-from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from tests.conftest import env_with_venv, free_port, set_params, wait_until
+from tests.conftest import env_with_venv, free_port, prefect_call, set_params, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -49,15 +47,6 @@ def prefect_api(tmp_path: Path) -> Iterator[str]:
         log.close()
 
 
-def _api(api: str, call: Any) -> Any:
-    async def go() -> Any:
-        async with get_client() as client:
-            return await call(client)
-
-    with temporary_settings(updates={PREFECT_API_URL: api}):
-        return asyncio.run(go())
-
-
 def test_scheduled_deployment_is_stored_and_a_triggered_run_completes(repo_copy: Path, prefect_api: str) -> None:
     set_params(repo_copy, "tracking", enabled=True)
     env = env_with_venv(
@@ -72,7 +61,7 @@ def test_scheduled_deployment_is_stored_and_a_triggered_run_completes(repo_copy:
         # serve() registers the deployments one after the other: wait for each one read here
         pipeline, sweep = (
             wait_until(
-                lambda name=name: _api(prefect_api, lambda c: c.read_deployment_by_name(name)),
+                lambda name=name: prefect_call(prefect_api, lambda c: c.read_deployment_by_name(name)),
                 f"deployment {name}",
                 interval=1,
                 process=serving,
@@ -89,7 +78,7 @@ def test_scheduled_deployment_is_stored_and_a_triggered_run_completes(repo_copy:
             flow_run = run_deployment("batchlab-pipeline/nightly", timeout=0)
 
         def final_state() -> Any:
-            state = _api(prefect_api, lambda c: c.read_flow_run(flow_run.id)).state
+            state = prefect_call(prefect_api, lambda c: c.read_flow_run(flow_run.id)).state
             return state if state.is_final() else None
 
         state = wait_until(

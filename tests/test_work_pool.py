@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -11,22 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from tests.conftest import env_with_venv, prefect_server, run, wait_until
+from tests.conftest import env_with_venv, prefect_call, prefect_server, run, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-def _api(api: str, call: Any) -> Any:
-    async def go() -> Any:
-        async with get_client() as client:
-            return await call(client)
-
-    with temporary_settings(updates={PREFECT_API_URL: api}):
-        return asyncio.run(go())
 
 
 def test_a_worker_on_the_work_pool_runs_a_triggered_scheduled_deployment(repo_copy: Path, tmp_path: Path) -> None:
@@ -36,7 +25,7 @@ def test_a_worker_on_the_work_pool_runs_a_triggered_scheduled_deployment(repo_co
         deployed = run(["python", "flows/serve.py", "--pool", "batchlab"], repo_copy, **env).stdout
         assert "deployed batchlab-pipeline/nightly to work pool 'batchlab'" in deployed
         assert "deployed batchlab-sweep/weekly to work pool 'batchlab'" in deployed
-        pipeline = _api(api, lambda c: c.read_deployment_by_name("batchlab-pipeline/nightly"))
+        pipeline = prefect_call(api, lambda c: c.read_deployment_by_name("batchlab-pipeline/nightly"))
         assert pipeline.work_pool_name == "batchlab" and pipeline.schedules[0].schedule.cron == "0 2 * * *"
 
         worker_env = env_with_venv(
@@ -53,7 +42,7 @@ def test_a_worker_on_the_work_pool_runs_a_triggered_scheduled_deployment(repo_co
                 flow_run = run_deployment("batchlab-pipeline/nightly", timeout=0)
 
             def final_state() -> Any:
-                state = _api(api, lambda c: c.read_flow_run(flow_run.id)).state
+                state = prefect_call(api, lambda c: c.read_flow_run(flow_run.id)).state
                 return state if state.is_final() else None
 
             state = wait_until(final_state, "the worker to finish the run", interval=2, process=worker, log=log)
