@@ -150,6 +150,45 @@ def epoch_stats(losses: torch.Tensor, norms: torch.Tensor, strategy: Strategy, r
     )
 
 
+def check_finite(
+    stats: EpochStats, epoch: int, tc: TrainConfig, dataset: Dataset, strategy: Strategy, who: str = ""
+) -> None:
+    """Stop a run whose gradients stayed non-finite for train.max_nonfinite_steps steps in a row."""
+    if stats.worst_nonfinite_run >= tc.max_nonfinite_steps:
+        raise NonFiniteError(
+            f"{who}{stats.worst_nonfinite_run} consecutive steps had non-finite gradients by epoch {epoch + 1} "
+            f"(limit train.max_nonfinite_steps={tc.max_nonfinite_steps}); {likely_cause(dataset, strategy)}"
+        )
+
+
+def epoch_row(
+    epoch: int,
+    stats: EpochStats,
+    val_logits: torch.Tensor,
+    y_val: torch.Tensor,
+    rows: int,
+    seconds: float,
+    lr: float,
+    strategy: Strategy,
+    noise: NoiseScale,
+) -> dict[str, float]:
+    """An epoch's figures as the history and MLflow record them; `rows` trained in `seconds`."""
+    return {
+        "epoch": float(epoch + 1),
+        "train_loss": stats.train_loss,
+        "val_loss": F.cross_entropy(val_logits, y_val).item(),
+        "val_accuracy": (val_logits.argmax(1) == y_val).float().mean().item(),
+        "samples_per_s": rows / seconds,
+        "epoch_seconds": seconds,
+        "peak_memory_mb": strategy.peak_memory_mb(),
+        "grad_norm_mean": stats.norm_mean,
+        "grad_norm_var": stats.norm_var,
+        "nonfinite_steps": float(stats.nonfinite),
+        "lr": lr,
+        **noise.metrics(),  # gns.b_simple, gns.grad_sq, gns.trace_sigma: EMAs at the epoch's end
+    }
+
+
 def likely_cause(dataset: Dataset, strategy: Strategy) -> str:
     """Why training went non-finite: bad inputs if any, otherwise the optimisation."""
     bad = [name for name in ("train", "val") if not np.isfinite(getattr(dataset, name).x).all()]
@@ -238,26 +277,10 @@ def fit(
         state.val_curve += val_curve_points(scored, noise.settle(), tc.batch_size)
         state.noise_scale = noise.state_dict()
         seconds = time.perf_counter() - started - scoring_seconds
-        if stats.worst_nonfinite_run >= tc.max_nonfinite_steps:
-            raise NonFiniteError(
-                f"{stats.worst_nonfinite_run} consecutive steps had non-finite gradients by epoch {epoch + 1} "
-                f"(limit train.max_nonfinite_steps={tc.max_nonfinite_steps}); {likely_cause(dataset, strategy)}"
-            )
+        check_finite(stats, epoch, tc, dataset, strategy)
         val_logits = predict_logits(model, x_val, strategy)
-        row: dict[str, float] = {
-            "epoch": float(epoch + 1),
-            "train_loss": stats.train_loss,
-            "val_loss": F.cross_entropy(val_logits, y_val).item(),
-            "val_accuracy": (val_logits.argmax(1) == y_val).float().mean().item(),
-            "samples_per_s": steps * tc.batch_size / seconds,
-            "epoch_seconds": seconds,
-            "peak_memory_mb": strategy.peak_memory_mb(),
-            "grad_norm_mean": stats.norm_mean,
-            "grad_norm_var": stats.norm_var,
-            "nonfinite_steps": float(stats.nonfinite),
-            "lr": float(optimizer.param_groups[0]["lr"]),
-            **noise.metrics(),  # gns.b_simple, gns.grad_sq, gns.trace_sigma: EMAs at the epoch's end
-        }
+        lr = float(optimizer.param_groups[0]["lr"])
+        row = epoch_row(epoch, stats, val_logits, y_val, steps * tc.batch_size, seconds, lr, strategy, noise)
         if state.record(row, stats.last_nonfinite_run):
             trainee.keep_best()
         if strategy.is_main:

@@ -33,6 +33,8 @@ from batchlab.tracking import Tracker
 from batchlab.train import (
     NonFiniteError,
     TrainResult,
+    check_finite,
+    epoch_row,
     epoch_stats,
     fingerprint,
     likely_cause,
@@ -198,26 +200,9 @@ def _finish_epoch(
     stats = epoch_stats(figures.losses.contiguous(), figures.norms.contiguous(), strategy, state.nonfinite_run)
     state.val_curve += val_curve_points(figures.scored, noise.settle(), tc.batch_size)
     state.noise_scale = noise.state_dict()
-    if stats.worst_nonfinite_run >= tc.max_nonfinite_steps:
-        raise NonFiniteError(
-            f"seed {tc.seed}: {stats.worst_nonfinite_run} consecutive steps had non-finite gradients by epoch "
-            f"{epoch + 1} (limit train.max_nonfinite_steps={tc.max_nonfinite_steps}); {likely_cause(dataset, strategy)}"
-        )
+    check_finite(stats, epoch, tc, dataset, strategy, who=f"seed {tc.seed}: ")
     steps, seconds = figures.losses.shape[0], figures.seconds
-    row: dict[str, float] = {
-        "epoch": float(epoch + 1),
-        "train_loss": stats.train_loss,
-        "val_loss": F.cross_entropy(val_logits, y_val).item(),
-        "val_accuracy": (val_logits.argmax(1) == y_val).float().mean().item(),
-        "samples_per_s": steps * tc.batch_size / seconds,
-        "epoch_seconds": seconds,
-        "peak_memory_mb": strategy.peak_memory_mb(),
-        "grad_norm_mean": stats.norm_mean,
-        "grad_norm_var": stats.norm_var,
-        "nonfinite_steps": float(stats.nonfinite),
-        "lr": lr,
-        **noise.metrics(),
-    }
+    row = epoch_row(epoch, stats, val_logits, y_val, steps * tc.batch_size, seconds, lr, strategy, noise)
     if state.record(row, stats.last_nonfinite_run):
         seed.trainee.keep_best()
     seed.tracker.log_epoch(row, step=epoch + 1)
