@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,8 @@ def worker_paths(root: str, outputs: str) -> stages.Paths:
 def _pull_data(paths: stages.Paths) -> None:
     """The prepared data from the DVC remote, when this worker's checkout has none."""
     target = os.path.relpath(paths.data, paths.root)
-    proc = subprocess.run(["dvc", "pull", target], cwd=paths.root, capture_output=True, text=True)
+    # this interpreter's dvc: a worker's PATH need not hold the environment it runs in
+    proc = subprocess.run([sys.executable, "-m", "dvc", "pull", target], cwd=paths.root, capture_output=True, text=True)
     if proc.returncode != 0:
         why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise WorkerMismatch(
