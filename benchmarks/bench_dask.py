@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from batchlab.config import load_config
-from common import BIN, REPO, Table, cli_env, markdown, progress, run_cli
+from common import BIN, REPO, Table, cli_env, markdown, progress, run_cli, verdict
 
 WORKERS = 2
 RATIO_TARGET = 1.7  # issue #14: 2 workers x 1 thread against one local lane, on 2 cores
@@ -143,7 +143,7 @@ def main() -> dict[str, Any]:
     cost.add("per experiment: worker time between experiments (scheduling, Prefect task states)", f"{per_task:.2f}")
     cost.add("per experiment: more inside the task than locally (worker checks)", f"{in_task:.2f}")
     targets = Table("Dask targets", ["target", "measured", "result"])
-    targets.add(f"speed-up ≥ {RATIO_TARGET}x", f"{ratio:.2f}x", "met" if ratio >= RATIO_TARGET else "MISSED")
+    targets.add(f"speed-up ≥ {RATIO_TARGET}x", f"{ratio:.2f}x", verdict(ratio >= RATIO_TARGET))
     tables = [table.as_dict(), cost.as_dict(), targets.as_dict()]
     print(markdown(tables))
     return {"local_s": local_s, "dask_s": dask_s, "ratio": ratio, "fixed_s": fixed, "cold_fixed_s": cold_fixed,

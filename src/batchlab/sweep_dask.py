@@ -107,7 +107,7 @@ def check_worker(want: Expected, paths: stages.Paths) -> None:
     """This worker runs the sweep's code on the sweep's data, or the task fails saying what differs."""
     if not (paths.data / "dataset.json").is_file():
         _pull_data(paths)
-    have = Expected(batchlab.__version__, sweep.code_hash(), data.load(paths.data).content_hash())
+    have = expected(paths)
     differ = [
         f"{name} {getattr(have, key)} (sweep: {getattr(want, key)})"
         for key, name in (("version", "batchlab"), ("code", "source hash"), ("data_hash", "data content hash"))
