@@ -50,6 +50,8 @@ def _pipeline(cfg: Config, root: Path) -> str:
 def test_one_run_holds_params_epochs_evaluation_models_and_lineage(workdir: Path) -> None:
     cfg = tiny_config(tracking={**ON, "tracking_uri": _uri(workdir)})
     run_id = _pipeline(cfg, workdir)
+    # nothing of the run stays in the environment, where a process started later would take it up
+    assert "MLFLOW_TRACKING_URI" not in os.environ and "MLFLOW_EXPERIMENT_ID" not in os.environ
     client = MlflowClient(_uri(workdir))
     runs = client.search_runs([client.get_experiment_by_name("test").experiment_id])
     assert [r.info.run_id for r in runs] == [run_id]  # evaluate and export logged into train's run
@@ -389,7 +391,7 @@ def test_logging_a_torch_model_does_not_import_lightning(tmp_path: Path) -> None
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise RuntimeError('Lightning was imported')\n")
     code = (
-        "import sys; from batchlab.tracking.mlflow_tracker import torch_flavor; "
+        "import sys; from batchlab.tracking.flavors import torch_flavor; "
         "assert torch_flavor().log_model and 'pytorch_lightning' not in sys.modules; print('flavor loaded'); "
         "import mlflow.pytorch._lightning_autolog"  # autolog still imports it on demand
     )
@@ -397,3 +399,33 @@ def test_logging_a_torch_model_does_not_import_lightning(tmp_path: Path) -> None
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "flavor loaded" in done.stdout, done.stderr
     assert done.returncode != 0 and "Lightning was imported" in done.stderr  # by the explicit import only
+
+
+def test_logging_a_model_skips_mlflows_scan_of_every_installed_package(tmp_path: Path) -> None:
+    """MLflow maps every installed distribution's modules before logging a model (0.86 s per process
+    here); a scan that fails proves batchlab's model logging skips it, and a pin the environment does
+    not satisfy proves the requirements are still checked."""
+    code = f"""
+import importlib_metadata, mlflow
+from mlflow.pyfunc import PythonModel
+from mlflow.utils import requirements_utils as reqs
+from batchlab.tracking.flavors import named_requirements
+
+def refuse():
+    raise RuntimeError("packages_distributions was called")
+
+importlib_metadata.packages_distributions = refuse
+
+class Echo(PythonModel):
+    def predict(self, context, model_input):
+        return model_input
+
+mlflow.set_tracking_uri("sqlite:///{tmp_path / "mlflow.db"}")
+with mlflow.start_run(), named_requirements():
+    mlflow.pyfunc.log_model(name="m", python_model=Echo(), pip_requirements=["numpy==0.0.1", "mlflow"])
+assert reqs._MODULES_TO_PACKAGES is None, "the map stays for the next caller to build"
+print("logged")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert "logged" in done.stdout, (done.returncode, done.stderr)
+    assert "required: numpy==0.0.1" in done.stderr  # MLflow's mismatch warning, as without the shim

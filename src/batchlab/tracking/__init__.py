@@ -3,6 +3,7 @@
     base            Tracker (records nothing), Resumable, tag names
     backend         where the store is, whether it answers, a SQLite store ready for concurrent writers
     mlflow_tracker  MlflowTracker: params, epochs, artifacts, models, registry, outage-proof writes
+    flavors         mlflow.pytorch without Lightning; model logging without MLflow's scan of every installed package
     lifecycle       run() / attach(): open, continue, end a run; end runs dead processes left RUNNING
     provenance      git, DVC data hash and host tags
     ownership       which process of which host owns a run

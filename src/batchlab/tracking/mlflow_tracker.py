@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -17,6 +15,7 @@ from batchlab.config import TrackingConfig
 from batchlab.tracking import outage
 from batchlab.tracking.backend import reachable, retry_locked
 from batchlab.tracking.base import CHAMPION, RESUMED, Tracker
+from batchlab.tracking.flavors import named_requirements, torch_flavor
 
 if TYPE_CHECKING:
     from torch import nn
@@ -37,24 +36,6 @@ def metrics_from_rows(rows: list[dict[str, Any]]) -> list[Any]:
 def log_metrics_batched(client: Any, run_id: str, metrics: list[Any]) -> None:
     for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
         retry_locked(client.log_batch, run_id, metrics=metrics[i : i + 1000])
-
-
-def torch_flavor() -> ModuleType:
-    """mlflow.pytorch without its Lightning callback: importing mlflow.pytorch imports Lightning
-    whenever it is installed (3.9 s here) for a checkpoint callback batchlab never uses. A process
-    that already imported Lightning keeps MLflow's behaviour; autolog imports it on demand as before."""
-    blocked = "mlflow.pytorch._lightning_autolog"
-    lightning = {"lightning", "pytorch_lightning"} & sys.modules.keys()
-    if "mlflow.pytorch" in sys.modules or lightning or blocked in sys.modules:
-        import mlflow.pytorch
-
-        return mlflow.pytorch
-    sys.modules[blocked] = None  # type: ignore[assignment]  # its import raises ImportError, which mlflow.pytorch expects
-    try:
-        import mlflow.pytorch
-    finally:
-        del sys.modules[blocked]
-    return mlflow.pytorch
 
 
 class MlflowTracker(Tracker):
@@ -286,12 +267,14 @@ class MlflowTracker(Tracker):
 
 @contextlib.contextmanager
 def _active(run_id: str) -> Iterator[None]:
-    """model-logging APIs log into the active run; make ours active without ending it."""
+    """While logging a model: model-logging APIs log into the active run, so ours is active (not
+    ended afterwards), and its named requirements are checked without MLflow's module map."""
     import mlflow
 
     active = mlflow.active_run()
-    if active is not None and active.info.run_id == run_id:
-        yield
-        return
-    with mlflow.start_run(run_id=run_id):
-        yield
+    with named_requirements():
+        if active is not None and active.info.run_id == run_id:
+            yield
+            return
+        with mlflow.start_run(run_id=run_id):
+            yield
