@@ -47,7 +47,7 @@ def named_requirements() -> Iterator[None]:
     if getattr(reqs, "_MODULES_TO_PACKAGES", None) is not None:
         yield
         return
-    reqs._MODULES_TO_PACKAGES = {}
+    reqs._MODULES_TO_PACKAGES = {}  # type: ignore[assignment]  # MLflow annotates the unset cache only
     try:
         yield
     finally:
