@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -73,18 +73,17 @@ def params(hidden: list[int], batch: int, threads: int) -> dict[str, Any]:
 def train(folder: Path, hidden: list[int], batch: int, threads: int) -> dict[str, float]:
     """One `batchlab train` process: its median samples/s over epochs 2..N and the threads it ran."""
     (folder / "params.yaml").write_text(yaml.safe_dump(params(hidden, batch, threads)))
-    env = {**cli_env(), "BATCHLAB_LOG": "INFO"}  # its "torch threads: N" line
     started = time.perf_counter()
-    proc = subprocess.run(["batchlab", "train"], cwd=folder, env=env, capture_output=True, text=True)
+    proc = subprocess.run(["batchlab", "train"], cwd=folder, env=cli_env(), capture_output=True, text=True)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise RuntimeError(f"batchlab train exited {proc.returncode}\n{proc.stderr[-4000:]}")
     with (folder / "reports" / "history.csv").open() as f:
         speeds = [float(row["samples_per_s"]) for row in csv.DictReader(f)]
-    chosen = re.search(r"torch threads: (\d+)", proc.stderr)
+    chosen = json.loads((folder / "reports" / "train.json").read_text())["torch_threads"]  # what auto picked
     return {
         "samples_per_s": statistics.median(speeds[1:]),
-        "threads": float(chosen.group(1)) if chosen else float(threads),
+        "threads": float(chosen),
         "wall_s": wall,
     }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 
 import psutil
 import pytest
@@ -174,3 +175,20 @@ def test_busy_cores_sees_a_process_spinning_on_a_core() -> None:
     finally:
         spinner.kill()
         spinner.wait()
+
+
+def test_busy_cores_leaves_out_this_processs_own_threads() -> None:
+    """A thread of this process spinning on a core is not a competitor: auto would give up a thread for it."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    try:
+        assert launch.busy_cores(window_s=0.5) < 0.25
+    finally:
+        stop.set()
+        spinner.join()

@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,11 +80,16 @@ def threads_per_process(processes: int) -> int:
 
 def busy_cores(window_s: float = 0.1) -> float:
     """How many of this process's CPUs other processes keep busy, measured over `window_s` while
-    this one sleeps."""
+    this one's main thread sleeps. This process's own threads do not count: right after its imports
+    a library's worker thread here was still busy for a moment (0.4-0.67 of a core in the window),
+    which made auto pick 1 thread for a model where 2 ran 1.5x faster."""
     import psutil
 
+    me = psutil.Process()
+    before, started = sum(me.cpu_times()[:2]), time.perf_counter()
     percent = psutil.cpu_percent(interval=window_s, percpu=True)
-    return sum(percent[i] for i in _affinity() if i < len(percent)) / 100
+    own = (sum(me.cpu_times()[:2]) - before) / (time.perf_counter() - started)
+    return max(0.0, sum(percent[i] for i in _affinity() if i < len(percent)) / 100 - own)
 
 
 def step_flops(model: ModelConfig, n_features: int, n_classes: int, rows: int) -> float:
