@@ -178,7 +178,8 @@ def test_busy_cores_sees_a_process_spinning_on_a_core() -> None:
 
 
 def test_busy_cores_leaves_out_this_processs_own_threads() -> None:
-    """A thread of this process spinning on a core is not a competitor: auto would give up a thread for it."""
+    """A thread of this process spinning on a core is not a competitor: auto would give up a thread for it.
+    Counted, it reads ~1 core; the bound leaves half a core for other processes on a shared machine."""
     stop = threading.Event()
 
     def spin() -> None:
@@ -188,7 +189,7 @@ def test_busy_cores_leaves_out_this_processs_own_threads() -> None:
     spinner = threading.Thread(target=spin, daemon=True)
     spinner.start()
     try:
-        assert launch.busy_cores(window_s=0.5) < 0.25
+        assert launch.busy_cores(window_s=0.5) < 0.5
     finally:
         stop.set()
         spinner.join()
