@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from batchlab import sweep, vectorized
 from batchlab.config import Config, load_config
 from batchlab.data import Dataset, build
+from batchlab.model import ACTIVATIONS, build_model
 from batchlab.strategy import Strategy
 from batchlab.train import fit
 from common import REPO, Table, progress, verdict
@@ -80,12 +80,8 @@ def bare_steps(cfg: Config, batch: int, features: int, classes: int, seeds: int)
     """One training step of one model, and of `seeds` models stacked, with nothing around them."""
     sizes = [features, *cfg.model.hidden_sizes, classes]
     p = cfg.model.dropout
-    layers: list[nn.Module] = []
-    for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes)):
-        layers.append(nn.Linear(n_in, n_out))
-        if i < len(sizes) - 2:
-            layers += [nn.ReLU(), nn.Dropout(p)]
-    model = nn.Sequential(*layers)
+    model = build_model(cfg.model, features, classes)
+    activation = ACTIVATIONS[cfg.model.activation]()
     one = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, fused=True)
     x, y = torch.randn(batch, features), torch.randint(0, classes, (batch,))
     weights = [torch.randn(seeds, n_out, n_in, requires_grad=True) for n_in, n_out in itertools.pairwise(sizes)]
@@ -104,7 +100,7 @@ def bare_steps(cfg: Config, batch: int, features: int, classes: int, seeds: int)
         for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
             h = torch.baddbmm(b, h, w.transpose(1, 2))
             if i < len(weights) - 1:
-                h = torch.relu(h)
+                h = activation(h)
                 if p > 0:
                     mask = torch.empty_like(h)
                     for s, generator in enumerate(generators):
