@@ -8,29 +8,23 @@ interleaved in one process, the median of REPEATS is kept, and the load average 
 before and after: a neighbour's load hits every variant alike. Target (issue #12): 5 seeds
 together in ≤ 2x one seed's wall time. The "dropout 0" rows show what the dropout masks cost:
 each seed draws its own (one bernoulli_ per seed and layer, the draws its separate run makes),
-so they cost as much per seed together as apart. The "bare kernels" rows are the floor any
-stacked training pays: one training step and nothing else (no data order, noise probe, scoring,
-bookkeeping), the seeds' weights stacked (baddbmm forward, each seed's own dropout masks, one
-fused AdamW step) against one model's nn.Sequential step, in the same rounds.
+so they cost as much per seed together as apart.
 
     python benchmarks/run_all.py --only seeds    # or `make bench`: results.json and the README tables
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import statistics
 import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from batchlab import sweep, vectorized
 from batchlab.config import Config, load_config
 from batchlab.data import Dataset, build
-from batchlab.model import ACTIVATIONS, build_model
 from batchlab.strategy import Strategy
 from batchlab.train import fit
 from common import REPO, Table, progress, verdict
@@ -76,49 +70,6 @@ def variants(cfgs: list[Config], plain: list[Config], dataset: Dataset) -> dict[
     }
 
 
-def bare_steps(cfg: Config, batch: int, features: int, classes: int, seeds: int) -> dict[str, Any]:
-    """One training step of one model, and of `seeds` models stacked, with nothing around them."""
-    sizes = [features, *cfg.model.hidden_sizes, classes]
-    p = cfg.model.dropout
-    model = build_model(cfg.model, features, classes)
-    activation = ACTIVATIONS[cfg.model.activation]()
-    one = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, fused=True)
-    x, y = torch.randn(batch, features), torch.randint(0, classes, (batch,))
-    weights = [torch.randn(seeds, n_out, n_in, requires_grad=True) for n_in, n_out in itertools.pairwise(sizes)]
-    biases = [torch.zeros(seeds, 1, n_out, requires_grad=True) for n_out in sizes[1:]]
-    stacked = torch.optim.AdamW(weights + biases, lr=cfg.train.lr, fused=True)
-    generators = [torch.Generator().manual_seed(s) for s in range(seeds)]
-    xs, ys = torch.randn(seeds, batch, features), torch.randint(0, classes, (seeds * batch,))
-
-    def step_one() -> None:
-        F.cross_entropy(model(x), y).backward()
-        one.step()
-        one.zero_grad(set_to_none=False)
-
-    def step_stacked() -> None:
-        h = xs
-        for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
-            h = torch.baddbmm(b, h, w.transpose(1, 2))
-            if i < len(weights) - 1:
-                h = activation(h)
-                if p > 0:
-                    mask = torch.empty_like(h)
-                    for s, generator in enumerate(generators):
-                        mask[s].bernoulli_(1 - p, generator=generator)
-                    h = h * mask.div_(1 - p)
-        F.cross_entropy(h.flatten(0, 1), ys, reduction="none").view(seeds, batch).mean(1).sum().backward()
-        stacked.step()
-        stacked.zero_grad(set_to_none=False)
-
-    return {"1 seed": step_one, f"{seeds} seeds stacked": step_stacked}
-
-
-def step_seconds(step: Any, steps: int = 200) -> float:
-    for _ in range(20):
-        step()
-    return seconds(lambda: [step() for _ in range(steps)]) / steps
-
-
 def main() -> dict[str, Any]:
     torch.set_num_threads(1)
     base = load_config(REPO / "params.yaml")
@@ -134,36 +85,24 @@ def main() -> dict[str, Any]:
         f"MLP [64, 64], dropout 0.1, AdamW, noise scale on, 1 thread, wall seconds, median of {REPEATS}",
         ["batch", "variant", "seconds", "vs 1 seed (same dropout)", "target ≤ 2× 1 seed"],
     )
-    features, classes = dataset.train.x.shape[1], len(dataset.class_names)
     measured: dict[str, Any] = {}
     # torch.func's first call in a process costs ~1 s: paid here, not by the first variant
     fit(configs(base, BATCH_SIZES[-1], n_train)[0], dataset, Strategy(torch.device("cpu")))
     for batch in BATCH_SIZES:
         runs = variants(configs(base, batch, n_train), configs(base, batch, n_train, dropout=0.0), dataset)
-        bare = bare_steps(base, batch, features, classes, len(SEEDS))
         times: dict[str, list[float]] = {name: [] for name in runs}
-        bare_times: dict[str, list[float]] = {name: [] for name in bare}
         for repeat in range(REPEATS):
             progress(f"seeds: batch {batch}, repeat {repeat + 1}/{REPEATS}")
             for name, call in runs.items():
                 times[name].append(seconds(call))
-            for name, step in bare.items():
-                bare_times[name].append(step_seconds(step))
         median = {name: statistics.median(t) for name, t in times.items()}
-        bare_median = {name: statistics.median(t) for name, t in bare_times.items()}
         for name in runs:
             ratio = median[name] / median["1 seed, fit(), dropout 0" if "dropout 0" in name else "1 seed, fit()"]
             target = verdict(ratio <= TARGET) if "together" in name and "dropout 0" not in name else ""
             table.add(batch, name, f"{median[name]:.2f}", f"{ratio:.2f}×", target)
-        for name in bare:
-            ratio = bare_median[name] / bare_median["1 seed"]
-            step = f"{bare_median[name] * 1e6:.0f} µs"
-            table.add(batch, f"bare kernels: one step, {name}", step, f"{ratio:.2f}×", "")
         measured[str(batch)] = {
             "seconds": times,
             "median_seconds": median,
-            "bare_step_seconds": bare_times,
-            "bare_step_median_seconds": bare_median,
         }
     load = {"load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
     table.title += f"; load average {load_before:.2f} before, {load['load_average_after']:.2f} after"

@@ -16,6 +16,7 @@ import torch
 from batchlab import data, gns, probes, seed_group, stages, sweep, vectorized
 from batchlab.config import Config
 from batchlab.data import Dataset, Split
+from batchlab.model import ACTIVATIONS
 from batchlab.strategy import Strategy
 from batchlab.train import TrainResult, fit
 from tests.conftest import tiny_config
@@ -26,9 +27,9 @@ MEASURED = {"samples_per_s", "epoch_seconds", "peak_memory_mb"}
 CPU = torch.device("cpu")
 
 
-def _configs(seeds: tuple[int, ...] = (0, 1, 2), **train: Any) -> list[Config]:
+def _configs(seeds: tuple[int, ...] = (0, 1, 2), activation: str = "relu", **train: Any) -> list[Config]:
     # dropout in both hidden layers, the noise scale on, the val split scored within epochs
-    model = {"hidden_sizes": [16, 16], "dropout": 0.2}
+    model = {"hidden_sizes": [16, 16], "dropout": 0.2, "activation": activation}
     return [
         tiny_config(model=model, train={"gns": True, "eval_every_steps": 5, **train, "seed": seed}) for seed in seeds
     ]
@@ -56,8 +57,12 @@ def probe_often(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gns, "PER_EXAMPLE_EVERY", 4)
 
 
-def test_three_seeds_together_equal_three_separate_fits(tiny_dataset: Dataset, probe_often: None) -> None:
-    cfgs = _configs()
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+def test_three_seeds_together_equal_three_separate_fits(
+    tiny_dataset: Dataset, probe_often: None, activation: str
+) -> None:
+    """stacked.py writes the backward out for every activation the model offers: each as autograd's."""
+    cfgs = _configs(activation=activation)
     separate = [fit(cfg, tiny_dataset, Strategy(CPU)) for cfg in cfgs]
     together = vectorized.fit_seeds(cfgs, tiny_dataset, Strategy(CPU))
     for a, b in zip(separate, together, strict=True):

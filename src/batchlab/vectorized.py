@@ -118,7 +118,6 @@ def fit_seeds(
             losses.append(group.backward(inputs, targets))
             norms.append(group.measure())
             optimizer.step(group.stepping(norms[-1]))
-            group.zero_grad()
             done = epoch * steps + step + 1
             if tc.eval_every_steps and done % tc.eval_every_steps == 0:
                 scoring = time.perf_counter()
