@@ -104,13 +104,16 @@ class StackedModels:
         for seed in seeds:
             if seed.noise.enabled:  # after the views: the probe reads the live weights
                 seed.probe = PerExampleProbe(seed.trainee.model, F.cross_entropy, rng=seed.dropout)
+        # per dropout layer and shape: the masks' buffer and each seed's part of it, drawn into each step
+        self.masks: dict[tuple[int, torch.Size], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.loss_grad: dict[int, float] = {}  # per row count: -1/rows as autograd's float32 mean backward has it
 
     def forward(self, x: torch.Tensor, train: bool, tape: list[_Saved] | None = None) -> torch.Tensor:
         """Logits [S, rows, classes] of inputs [S, rows, features]; in training each seed's dropout
         masks come from its generator exactly as F.dropout draws them (bernoulli_, then / (1 - p)).
         With `tape`, what `backward` needs of each layer is appended to it."""
         h = x
-        for linear, dropout, activation in self.plan:
+        for position, (linear, dropout, activation) in enumerate(self.plan):
             if linear is not None:
                 weight, bias, weight_t, bias_row = linear
                 if tape is not None:
@@ -118,9 +121,9 @@ class StackedModels:
                 h = torch.baddbmm(bias_row, h, weight_t)
             elif dropout is not None:
                 if train and dropout > 0:
-                    mask = torch.empty_like(h)
-                    for seed in self.seeds:
-                        mask[seed.index].bernoulli_(1 - dropout, generator=seed.dropout)
+                    mask, parts = self._mask_buffer(position, h)
+                    for seed, part in zip(self.seeds, parts, strict=True):
+                        part.bernoulli_(1 - dropout, generator=seed.dropout)
                     mask.div_(1 - dropout)
                     if tape is not None:
                         tape.append(("dropout", mask))
@@ -132,17 +135,28 @@ class StackedModels:
                 h = out
         return h
 
+    def _mask_buffer(self, position: int, h: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The buffer of a dropout layer's masks, reused each step (a step's backward is done before
+        the next forward), with each seed's part of it."""
+        key = (position, h.shape)
+        if key not in self.masks:
+            mask = torch.empty_like(h)
+            self.masks[key] = mask, list(mask.unbind())
+        return self.masks[key]
+
     @torch.no_grad()
-    def backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
         """Each seed's gradient of its mean loss over its rows, written into the stacked weights'
-        gradients; returns those losses, [S]."""
+        gradients; returns those losses, one 0-d tensor per seed."""
         rows = targets.shape[1]
         self.rows = rows
+        if rows not in self.loss_grad:
+            self.loss_grad[rows] = -(torch.ones(()) / rows).item()
         tape: list[_Saved] = []
         log_probs = F.log_softmax(self.forward(inputs, train=True, tape=tape), dim=2)  # cross_entropy's two steps
         # d(mean loss)/d(log_probs): -1/rows at each row's target, 1/rows divided in float32 as autograd's
         # mean backward divides it; then log_softmax's backward, as autograd calls it
-        grad = torch.zeros_like(log_probs).scatter_(2, targets.unsqueeze(2), -(torch.ones(()) / rows).item())
+        grad = torch.zeros_like(log_probs).scatter_(2, targets.unsqueeze(2), self.loss_grad[rows])
         grad = torch.ops.aten._log_softmax_backward_data(grad, log_probs, 2, log_probs.dtype)
         for saved in reversed(tape):
             if saved[0] == "linear":  # F.linear's backward (addmm's): grad.T @ h in the weight's layout
@@ -157,11 +171,12 @@ class StackedModels:
             else:
                 _, activation, h, out = saved
                 grad = ACTIVATION_BACKWARD[type(activation)](activation, grad, h, out)
-        for i, seed in enumerate(self.seeds):
+        per_seed = list(zip(self.seeds, inputs.unbind(), targets.unbind(), log_probs.unbind(), strict=True))
+        for seed, x, y, _ in per_seed:
             if seed.probe is not None and seed.active:
-                seed.probe.after_backward(seed.noise.steps + 1, inputs[i], targets[i])
+                seed.probe.after_backward(seed.noise.steps + 1, x, y)
         # the figure a separate run records, bit for bit: nll_loss's mean sums in its own order
-        return torch.stack([F.nll_loss(lp, t) for lp, t in zip(log_probs.unbind(), targets.unbind(), strict=True)])
+        return [F.nll_loss(lp, y) for _, _, y, lp in per_seed]
 
     def measure(self) -> torch.Tensor:
         """Each seed's gradient norm, [S], given with the probe's measurement to its noise scale."""

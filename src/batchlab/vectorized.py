@@ -105,7 +105,7 @@ def fit_seeds(
         ).to(strategy.device)
         for seed in seeds:
             seed.dropout.manual_seed(seed.cfg.train.seed * 7919 + epoch * 131 + strategy.rank)
-        losses: list[torch.Tensor] = []  # [S] per step
+        losses: list[torch.Tensor] = []  # S per step, seed by seed
         norms: list[torch.Tensor] = []
         scored: list[tuple[int, torch.Tensor]] = []
         scoring_seconds = 0.0
@@ -115,7 +115,7 @@ def fit_seeds(
             # index_select: the same rows as x_train[rows], at a fraction of advanced indexing's cost
             inputs = x_train.index_select(0, rows.flatten()).view(*rows.shape, -1)
             targets = y_train.index_select(0, rows.flatten()).view(rows.shape)
-            losses.append(group.backward(inputs, targets))
+            losses += group.backward(inputs, targets)
             norms.append(group.measure())
             optimizer.step(group.stepping(norms[-1]))
             done = epoch * steps + step + 1
@@ -128,7 +128,7 @@ def fit_seeds(
         # the group's time, shared by the seeds it trained: their epoch_seconds add up to the wall time
         seconds = (time.perf_counter() - started - scoring_seconds) / len(active)
         logits = group.predict(x_val)
-        step_losses, step_norms = torch.stack(losses), torch.stack(norms)
+        step_losses, step_norms = torch.stack(losses).view(-1, len(seeds)), torch.stack(norms)
         for i, seed in enumerate(seeds):
             if seed.active:
                 figures = _EpochFigures(step_losses[:, i], step_norms[:, i], [(n, v[i]) for n, v in scored], seconds)
