@@ -17,16 +17,30 @@ import statistics
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from batchlab import atomic, data, evaluate, executors, launch, probes, report, seed_group, stages, study, tracking
+from batchlab import (
+    atomic,
+    data,
+    evaluate,
+    executors,
+    launch,
+    probes,
+    report,
+    seed_group,
+    stages,
+    study,
+    sweep_state,
+    tracking,
+)
 from batchlab.config import Config, parse_config
 from batchlab.sweep_lock import exclusive
+from batchlab.sweep_state import Sweep
 from batchlab.train import steps_per_epoch
 from batchlab.validate import batches_fit
 
@@ -216,79 +230,20 @@ def lanes(experiments: list[T], parallel: int) -> list[list[T]]:
     return [experiments[i::parallel] for i in range(min(parallel, len(experiments)))]
 
 
-@dataclass
-class Sweep:
-    experiments: list[Experiment]
-    finished: dict[str, dict[str, Any]]
-    key: str
-    parent_run_id: str | None  # an earlier attempt's parent run (same settings), then the one in use
-    wall_seconds: float  # spent by earlier attempts of this sweep (same settings)
-    reported: str | None  # digest of the results an earlier attempt reported and logged
-    started: float = field(default_factory=time.perf_counter)
-
-    @property
-    def todo(self) -> list[Experiment]:
-        return [e for e in self.experiments if e.name not in self.finished]
-
-    @property
-    def up_to_date(self) -> bool:
-        """Every experiment finished and these very results already reported: nothing to run or log."""
-        return not self.todo and self.reported == _digest(list(self.finished.values()))
-
-    def elapsed(self) -> float:
-        """Wall seconds of every attempt so far, this one included."""
-        return self.wall_seconds + time.perf_counter() - self.started
-
-
-def _digest(results: list[dict[str, Any]]) -> str:
-    ordered = sorted(results, key=lambda r: str(r["name"]))
-    return hashlib.sha256(json.dumps(ordered, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _state_path(paths: stages.Paths) -> Path:
-    return paths.outputs / "sweep" / "state.json"
-
-
-def _save_state(
-    paths: stages.Paths, sweep: Sweep, wall_seconds: float, attempt_started_at: float | None, reported: str | None
-) -> None:
-    """`attempt_started_at` is set while an attempt runs: if it is still set when the next one
-    starts, the last one was killed (SIGKILL) before it could add its time to `wall_seconds`."""
-    state = {
-        "sweep": sweep.key,
-        "parent_run_id": sweep.parent_run_id,
-        "wall_seconds": wall_seconds,
-        "attempt_started_at": attempt_started_at,
-        "reported": reported,
-    }
-    atomic.write_json(_state_path(paths), state)
-
-
-def _earlier_wall_seconds(state: dict[str, Any], finished: dict[str, dict[str, Any]]) -> float:
-    wall = float(state.get("wall_seconds", 0.0))
-    killed_at = state.get("attempt_started_at")
-    if killed_at is not None:  # a killed attempt counts up to the last experiment it finished
-        ends = [r["finished_at"] for r in finished.values() if r.get("finished_at", 0.0) >= killed_at]
-        wall += max(ends) - killed_at if ends else 0.0
-    return wall
-
-
 def prepare(cfg: Config, paths: stages.Paths) -> Sweep:
     """Plan the experiments and find those an earlier sweep already finished. Call it holding `exclusive`."""
     dataset = data.load(paths.data)
     experiments = plan(cfg, dataset.train.y.shape[0])
     data_hash = dataset.content_hash()
     key = cfg.section_hash("model", "train", "sweep") + f"-{data_hash}-{code_hash()}"
-    state = json.loads(_state_path(paths).read_text()) if _state_path(paths).is_file() else {}
-    if state.get("sweep") != key:
-        state = {}  # another sweep's: its parent run and wall time are not this one's
+    state = sweep_state.load(paths, key)
     finished = {}
     for exp in experiments:
         result_path = paths.outputs / "sweep" / "experiments" / exp.name / "result.json"
         done = _finished(result_path, fingerprint(cfg, exp, data_hash))
         if done:
             finished[exp.name] = done
-    earlier = _earlier_wall_seconds(state, finished)
+    earlier = sweep_state.earlier_wall_seconds(state, finished)
     sweep = Sweep(experiments, finished, key, state.get("parent_run_id"), earlier, state.get("reported"))
     if sweep.up_to_date:
         log.info(
@@ -312,7 +267,7 @@ def parent_run(cfg: Config, paths: stages.Paths, sweep: Sweep) -> Iterator[track
     resuming = sweep.parent_run_id is not None
     with tracking.run(cfg.tracking, run_id=sweep.parent_run_id, name=None if resuming else name) as parent:
         sweep.parent_run_id = parent.run_id
-        _save_state(paths, sweep, sweep.wall_seconds, attempt_started_at=time.time(), reported=None)
+        sweep_state.save(paths, sweep, sweep.wall_seconds, attempt_started_at=time.time(), reported=None)
         if not resuming:
             parent.log_params({**cfg.flat(), "sweep.n_experiments": len(sweep.experiments)})
             parent.set_tags({"sweep": "parent", **tracking.environment_tags()})
@@ -320,7 +275,7 @@ def parent_run(cfg: Config, paths: stages.Paths, sweep: Sweep) -> Iterator[track
             yield parent
         except BaseException:
             # failed, Ctrl-C or SIGTERM: a resume adds to this attempt's time
-            _save_state(paths, sweep, sweep.elapsed(), attempt_started_at=None, reported=None)
+            sweep_state.save(paths, sweep, sweep.elapsed(), attempt_started_at=None, reported=None)
             raise
 
 
@@ -358,7 +313,7 @@ def finish(
     parent.set_tags({tracking.NOTE: markdown})
     for file in sorted(folder.iterdir()):
         parent.log_artifact(file, "sweep")
-    _save_state(paths, sweep, wall, attempt_started_at=None, reported=_digest(ordered))
+    sweep_state.save(paths, sweep, wall, attempt_started_at=None, reported=sweep_state.digest(ordered))
     return summary
 
 
