@@ -100,10 +100,7 @@ def main() -> dict[str, Any]:
             ratio = median[name] / median["1 seed, fit(), dropout 0" if "dropout 0" in name else "1 seed, fit()"]
             target = verdict(ratio <= TARGET) if "together" in name and "dropout 0" not in name else ""
             table.add(batch, name, f"{median[name]:.2f}", f"{ratio:.2f}×", target)
-        measured[str(batch)] = {
-            "seconds": times,
-            "median_seconds": median,
-        }
+        measured[str(batch)] = {"seconds": times, "median_seconds": median}
     load = {"load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
     table.title += f"; load average {load_before:.2f} before, {load['load_average_after']:.2f} after"
     OUT.parent.mkdir(parents=True, exist_ok=True)
