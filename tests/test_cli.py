@@ -3,6 +3,7 @@ no heavy import before the arguments are parsed, and one line per stage (no MLfl
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from batchlab.cli import _parser
+from batchlab import collector
+from batchlab.cli import _parser, main
 from tests.conftest import REPO, TINY, env_with_venv, merge, run, write_params
 
 
@@ -149,3 +151,44 @@ def test_train_picks_its_threads_when_train_threads_is_0(tmp_path: Path) -> None
     run(["batchlab", "generate"], tmp_path)
     stderr = run(["batchlab", "train"], tmp_path, BATCHLAB_LOG="DEBUG").stderr
     assert "torch threads: 1" in stderr, stderr  # a 16-wide model: one thread, whatever the machine
+
+
+# the program as the `batchlab` script runs it, saying at exit what its garbage collector was doing
+COLLECTOR = """
+import atexit, gc, sys
+atexit.register(lambda: print(f"collecting={gc.isenabled()} frozen={gc.get_freeze_count() > 0}"))
+sys.argv = ["batchlab", *sys.argv[1:]]
+from batchlab.cli import main
+main()
+"""
+
+
+def test_the_program_collects_no_garbage_while_loading_and_resumes_when_training_starts(tmp_path: Path) -> None:
+    write_params(tmp_path, merge(TINY, {"train": {"epochs": 1}}))
+
+    def collector_at_exit(command: str) -> str:
+        proc = subprocess.run(
+            [sys.executable, "-c", COLLECTOR, command],
+            cwd=tmp_path,
+            env=env_with_venv(),
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.splitlines()[-1]
+
+    # generate loops over nothing: paused to the end; train's loop collects, skipping the libraries loaded before it
+    assert collector_at_exit("generate") == "collecting=False frozen=False"
+    assert collector_at_exit("train") == "collecting=True frozen=True"
+    assert (tmp_path / "models/model.pt").is_file()
+
+
+def test_a_process_calling_main_or_fit_itself_keeps_its_collector_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path, TINY)
+    frozen = gc.get_freeze_count()
+    assert main(["validate"]) == 0
+    collector.resume()  # what fit() calls first
+    assert gc.isenabled() and gc.get_freeze_count() == frozen

@@ -19,6 +19,9 @@ from types import FrameType
 from typing import NoReturn
 
 BAD_INPUT = 2
+# commands whose process may loop for hours outside a training loop, so it keeps collecting garbage
+# throughout (batchlab.collector): the sweep's scheduler, predict's pass over an input of any size
+LONG_LIVED = {"sweep", "predict"}
 
 # what each command does, then what it reads and writes (dvc.yaml's params, deps and outs)
 COMMANDS = {
@@ -302,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     (the `batchlab` script, `python -m batchlab.cli`): it reads sys.argv and ends the process."""
     # --help and usage errors exit here, before anything heavier than argparse is imported
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if argv is None and args.stage not in LONG_LIVED:
+        from batchlab import collector
+
+        collector.pause()  # this process's own: its libraries load without full collections
     _configure_logging()
     status = _status(args)
     if argv is None:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchlab import collector
 from batchlab.checkpoint import Trainee, TrainState
 from batchlab.config import Config, TrainConfig
 from batchlab.data import Dataset, Split
@@ -219,6 +220,7 @@ def fit(
     checkpoint: Path | None = None,
 ) -> TrainResult:
     """Train the model of `cfg` on `dataset`; resume from `checkpoint` when it matches the config."""
+    collector.resume()  # a loop that may run for hours collects its garbage
     tc = cfg.train
     tracker = tracker or Tracker()
     n_train = dataset.train.y.shape[0]

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from batchlab import collector
 from batchlab.checkpoint import Checkpoint, TrainState
 from batchlab.config import Config
 from batchlab.data import Dataset
@@ -79,6 +80,7 @@ def fit_seeds(
     checkpoints: list[Path | None] | None = None,
 ) -> list[TrainResult]:
     """Train the configs of `cfgs` (equal but for train.seed) together; resume each from its checkpoint."""
+    collector.resume()  # as fit: a loop that may run for hours collects its garbage
     same_but_seed(cfgs)
     tc = cfgs[0].train
     n_train = dataset.train.y.shape[0]
