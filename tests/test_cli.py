@@ -177,7 +177,7 @@ def test_the_program_collects_no_garbage_while_loading_and_resumes_when_training
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.splitlines()[-1]
 
-    # generate loops over nothing: paused to the end; train's loop collects, skipping the libraries loaded before it
+    # generate has no loop: paused to the end; train collects from its first epoch on, skipping what loaded before
     assert collector_at_exit("generate") == "collecting=False frozen=False"
     assert collector_at_exit("train") == "collecting=True frozen=True"
     assert (tmp_path / "models/model.pt").is_file()

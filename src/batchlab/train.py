@@ -220,7 +220,6 @@ def fit(
     checkpoint: Path | None = None,
 ) -> TrainResult:
     """Train the model of `cfg` on `dataset`; resume from `checkpoint` when it matches the config."""
-    collector.resume()  # a loop that may run for hours collects its garbage
     tc = cfg.train
     tracker = tracker or Tracker()
     n_train = dataset.train.y.shape[0]
@@ -244,6 +243,7 @@ def fit(
     x_train, y_train = split_tensors(dataset.train, strategy.device)
     x_val, y_val = split_tensors(dataset.val, strategy.device)
     bar = _progress(tc.epochs, state.epoch, strategy.is_main)
+    collector.resume()  # everything is loaded (the optimizer's torch._dynamo too): a loop that may run for hours
 
     for epoch in range(state.epoch, tc.epochs):
         # checked here, not after the epoch, so a run resumed from the stopping epoch stops too

@@ -80,7 +80,6 @@ def fit_seeds(
     checkpoints: list[Path | None] | None = None,
 ) -> list[TrainResult]:
     """Train the configs of `cfgs` (equal but for train.seed) together; resume each from its checkpoint."""
-    collector.resume()  # as fit: a loop that may run for hours collects its garbage
     same_but_seed(cfgs)
     tc = cfgs[0].train
     n_train = dataset.train.y.shape[0]
@@ -93,6 +92,7 @@ def fit_seeds(
     x_train, y_train = split_tensors(dataset.train, strategy.device)
     x_val, y_val = split_tensors(dataset.val, strategy.device)
     first = seeds[0].state.epoch
+    collector.resume()  # as in fit: everything is loaded, and a loop that may run for hours starts
 
     for epoch in range(first, tc.epochs):
         for seed in seeds:  # checked before the epoch, as `fit` does: a resumed run stops too
