@@ -1,5 +1,6 @@
 """`batchlab`: options in either position, help that says what each stage reads and writes,
-no heavy import before the arguments are parsed, and one line per stage (no MLflow chatter)."""
+no heavy import before the arguments are parsed, one line per stage (no MLflow chatter), and no
+garbage collection while the program loads its libraries."""
 
 from __future__ import annotations
 
@@ -190,5 +191,5 @@ def test_a_process_calling_main_or_fit_itself_keeps_its_collector_as_it_was(
     write_params(tmp_path, TINY)
     frozen = gc.get_freeze_count()
     assert main(["validate"]) == 0
-    collector.resume()  # what fit() calls first
+    collector.resume()  # what fit() calls before its first epoch
     assert gc.isenabled() and gc.get_freeze_count() == frozen
