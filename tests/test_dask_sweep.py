@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +71,14 @@ class Cluster:
         cmd = [str(BIN / "dask"), "worker", self.address, "--name", name, "--nthreads", "1", "--no-dashboard"]
         self.start(name, cmd, "Registered to:", DASK_DISTRIBUTED__WORKER__DAEMON="False", **env)
 
+    def pause(self, name: str) -> None:
+        """SIGSTOP: the worker holds what it was given and runs nothing until `resume`."""
+        os.killpg(self.procs[name].pid, signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        if self.procs[name].poll() is None:
+            os.killpg(self.procs[name].pid, signal.SIGCONT)
+
     def kill(self, name: str) -> None:
         """The worker (nanny and its process) dies at once, as when its machine goes away."""
         proc = self.procs[name]
@@ -94,6 +101,12 @@ class Setup:
     cluster: Cluster
     mlflow: MlflowServer
     env: dict[str, str]  # what `batchlab sweep` runs with: the Prefect and MLflow servers
+
+
+def _w2(setup: Setup) -> None:
+    """Worker w2 running in its clone, started again when an earlier test killed it."""
+    if setup.cluster.procs["w2"].poll() is not None:
+        setup.cluster.worker("w2", BATCHLAB_WORKER_ROOT=str(setup.clone))
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +157,24 @@ def _f1_by_batch(folder: Path) -> dict[str, float]:
         return {row["batch_size"]: float(row["test_f1_macro_mean"]) for row in csv.DictReader(f)}
 
 
+def _assert_f1_equals_the_local_executor(folder: Path, tmp_path: Path) -> None:
+    """The same sweep with the local executor, tracking off: the same F1 per batch size."""
+    local = tmp_path / "local"
+    shutil.copytree(folder / "data", local / "data")
+    cfg = merge(yaml.safe_load((folder / "params.yaml").read_text()), {"sweep": {"executor": "local"}})
+    write_params(local, merge(cfg, {"tracking": {"enabled": False}}))
+    sweep.run_sweep(load_config(local / "params.yaml"), stages.Paths(local))
+    dask_f1, local_f1 = _f1_by_batch(folder), _f1_by_batch(local)
+    assert dask_f1.keys() == local_f1.keys() == {"16", "32"}
+    for batch, f1 in local_f1.items():
+        assert dask_f1[batch] == pytest.approx(f1, abs=1e-6), batch
+
+
+def _completed(setup: Setup, worker: str) -> int:
+    """How many task runs this worker has finished (Prefect logs one line each)."""
+    return setup.cluster.log(worker).count("Finished in state Completed")
+
+
 def _children(setup: Setup, folder: Path) -> tuple[Any, list[Any]]:
     parent_id = json.loads((folder / "sweep" / "state.json").read_text())["parent_run_id"]
     client = MlflowClient(setup.mlflow.uri)
@@ -157,16 +188,7 @@ def test_dask_sweep_equals_the_local_sweep_with_one_child_run_per_experiment(set
     folder = _sweep_dir(setup, "equal")
     _sweep(folder, setup.env)
 
-    local = tmp_path / "local"
-    shutil.copytree(folder / "data", local / "data")
-    cfg = merge(yaml.safe_load((folder / "params.yaml").read_text()), {"sweep": {"executor": "local"}})
-    write_params(local, merge(cfg, {"tracking": {"enabled": False}}))
-    sweep.run_sweep(load_config(local / "params.yaml"), stages.Paths(local))
-
-    dask_f1, local_f1 = _f1_by_batch(folder), _f1_by_batch(local)
-    assert dask_f1.keys() == local_f1.keys() == {"16", "32"}
-    for batch, f1 in local_f1.items():
-        assert dask_f1[batch] == pytest.approx(f1, abs=1e-6), batch
+    _assert_f1_equals_the_local_executor(folder, tmp_path)
     parent, children = _children(setup, folder)
     assert parent.info.status == "FINISHED"
     assert sorted((c.info.run_name, c.info.status) for c in children) == [
@@ -182,31 +204,76 @@ def test_dask_sweep_equals_the_local_sweep_with_one_child_run_per_experiment(set
 
 
 @pytest.mark.slow
-def test_worker_killed_mid_experiment_reruns_it_on_the_other_worker(setup: Setup) -> None:
-    folder = _sweep_dir(setup, "killed", epochs=60)
+def test_worker_killed_mid_experiment_reruns_it_on_the_other_worker(setup: Setup, tmp_path: Path) -> None:
+    _w2(setup)
+    shutil.rmtree(setup.clone / "sweep", ignore_errors=True)  # what earlier tests left in w2's checkout
+    folder = _sweep_dir(setup, "killed", epochs=30)
     with open(folder / "sweep.log", "w") as log:
         proc = subprocess.Popen(["batchlab", "sweep"], cwd=folder, env=setup.env, stdout=log, stderr=log)
     try:
-        # w2 trains in its clone: the run's sidecar appears when its MLflow run opens
+        # w2 trains in its clone: the run's sidecar appears when its MLflow run opens, and the kill
+        # follows within a poll (0.2 s) of it, seconds before its 30 epochs could end
         wait_until(
             lambda: list((setup.clone / "sweep" / "experiments").glob("*/.batchlab/checkpoints/train.pt.run")),
             "w2 to start an experiment",
             process=proc,
             log=folder / "sweep.log",
         )
-        time.sleep(1.0)
         setup.cluster.kill("w2")
         assert proc.wait(timeout=600) == 0, (folder / "sweep.log").read_text()[-5000:]
     finally:
         if proc.poll() is None:
             proc.kill()
+    assert not list((setup.clone / "sweep" / "experiments").glob("*/result.json"))  # killed before it finished
     parent, children = _children(setup, folder)
     assert parent.info.status == "FINISHED"
     finished = sorted(c.info.run_name for c in children if c.info.status == "FINISHED")
     assert finished == ["sweep-bs16-seed0", "sweep-bs32-seed0"]  # no duplicate for the rerun experiment
-    assert len(children) == 3  # and the killed attempt's run, ended KILLED
-    # the survivor ran both
-    assert setup.cluster.log("w1").count("Finished in state Completed") >= 2
+    assert sorted(c.info.status for c in children) == ["FINISHED", "FINISHED", "KILLED"]  # the killed attempt
+    _assert_f1_equals_the_local_executor(folder, tmp_path)
+
+
+@pytest.mark.slow
+def test_worker_killed_after_finishing_an_experiment_is_not_trained_again(setup: Setup, tmp_path: Path) -> None:
+    """w1 paused, so w2 finishes an experiment while the sweep still waits for the other, and dies
+    with the result in its memory: Dask runs that task again on w1, which must find it finished."""
+    _w2(setup)
+    shutil.rmtree(setup.clone / "sweep", ignore_errors=True)
+    folder = _sweep_dir(setup, "finished-then-killed")
+    w1_before = _completed(setup, "w1")
+    setup.cluster.pause("w1")
+    try:
+        with open(folder / "sweep.log", "w") as log:
+            proc = subprocess.Popen(["batchlab", "sweep"], cwd=folder, env=setup.env, stdout=log, stderr=log)
+        done = wait_until(
+            lambda: list((setup.clone / "sweep" / "experiments").glob("*/result.json")),
+            "w2 to finish an experiment",
+            process=proc,
+            log=folder / "sweep.log",
+        )
+        setup.cluster.kill("w2")
+    finally:
+        setup.cluster.resume("w1")
+    try:
+        assert proc.wait(timeout=600) == 0, (folder / "sweep.log").read_text()[-5000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # w1 ran its own experiment and the task of w2's finished one again: wait for both, so that a
+    # rerun that trained again would be in the store before the assertions read it
+    wait_until(
+        lambda: _completed(setup, "w1") >= w1_before + 2, "w1 to run both tasks", log=setup.cluster.folder / "w1.log"
+    )
+    parent, children = _children(setup, folder)
+    assert parent.info.status == "FINISHED"
+    assert sorted((c.info.run_name, c.info.status) for c in children) == [
+        ("sweep-bs16-seed0", "FINISHED"),
+        ("sweep-bs32-seed0", "FINISHED"),
+    ]
+    finished_on_w2 = json.loads(done[0].read_text())
+    kept = json.loads((folder / "sweep" / "experiments" / finished_on_w2["name"] / "result.json").read_text())
+    assert kept == finished_on_w2  # the stored result, not a second training's
+    _assert_f1_equals_the_local_executor(folder, tmp_path)
 
 
 def _prepared(folder: Path) -> dict[str, Any]:

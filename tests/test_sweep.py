@@ -224,7 +224,10 @@ def test_resumed_sweep_reports_totals_over_every_experiment(workdir: Path) -> No
     first = sweep.run_sweep(cfg, paths)
     experiments = workdir / "sweep/experiments"
     kept = {name: (experiments / name / "result.json").read_text() for name in ("bs16-seed0", "bs64-seed0")}
+    # bs32 as a killed attempt leaves it: no result.json, its run ended KILLED
+    killed = json.loads((experiments / "bs32-seed0/result.json").read_text())["run_id"]
     (experiments / "bs32-seed0/result.json").unlink()
+    MlflowClient(uri).set_terminated(killed, "KILLED")
     runs_before = {r.info.run_id for r in _runs(uri)}
 
     second = sweep.run_sweep(cfg, paths)
@@ -240,6 +243,38 @@ def test_resumed_sweep_reports_totals_over_every_experiment(workdir: Path) -> No
     assert written["sweep_wall_seconds"] > first["sweep_wall_seconds"]
     assert written["sweep_wall_seconds"] >= sum(r["train_seconds"] + r["overhead_seconds"] for r in results)
     assert second["sweep_wall_seconds"] == written["sweep_wall_seconds"]
+
+
+@pytest.mark.parametrize(
+    ("parallel", "seeds"),
+    [(1, [0, 1]), pytest.param(2, [0], marks=pytest.mark.slow)],  # seeds together; each in its own process
+)
+def test_experiment_whose_run_finished_is_not_trained_again_without_its_result_json(
+    workdir: Path, parallel: int, seeds: list[int]
+) -> None:
+    """Its process died after the child run ended FINISHED, before result.json was written (or it
+    ran in another worker's folder): the resumed sweep takes the result the run stored."""
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    sweep_params = {"batch_sizes": [16, 32], "parallel": parallel, "seeds": seeds}
+    cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri}, sweep=sweep_params)
+    paths = stages.Paths(workdir)
+    stages.generate(cfg, paths)
+    first = sweep.run_sweep(cfg, paths)
+    experiments = workdir / "sweep/experiments"
+    names = [f"bs{b}-seed{s}" for b in (16, 32) for s in seeds]
+    stored = {name: json.loads((experiments / name / "result.json").read_text()) for name in names}
+    for name in stored:
+        (experiments / name / "result.json").unlink()
+    (workdir / "reports").joinpath("sweep", "sweep.json").unlink()
+    runs_before = sorted((r.info.run_name, r.info.status) for r in _runs(uri))
+
+    second = sweep.run_sweep(cfg, paths)
+    assert sorted((r.info.run_name, r.info.status) for r in _runs(uri)) == runs_before  # no run trained again
+    assert [n for n, status in runs_before if n.startswith("sweep-bs")] == sorted(f"sweep-{n}" for n in names)
+    for name, result in stored.items():
+        assert json.loads((experiments / name / "result.json").read_text()) == result
+    assert second["best_f1_batch_size"] == first["best_f1_batch_size"]
+    assert second["sum_train_seconds"] == first["sum_train_seconds"]
 
 
 @pytest.mark.slow

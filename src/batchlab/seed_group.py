@@ -76,10 +76,16 @@ def train_group(cfg: Config, exps: list[Experiment], paths: stages.Paths, parent
     from batchlab import sweep, vectorized
 
     dataset = data.load(paths.data)
+    data_hash = dataset.content_hash()
+    results: dict[str, Any] = {}
+    for exp in exps:  # finished already: a task Dask runs again, a resumed sweep
+        done = sweep.stored_result(cfg, exp, paths, parent_run_id, data_hash)
+        if done is not None:
+            results[exp.name] = done
+    exps = [exp for exp in exps if exp.name not in results]
     cfgs = [sweep.experiment_config(cfg, exp) for exp in exps]
     checkpoints = [sweep.experiment_paths(paths, exp).checkpoint for exp in exps]
     epochs = vectorized.epochs_to_resume(cfgs, dataset, checkpoints)
-    results: dict[str, Any] = {}
     for epoch in sorted(set(epochs)):
         part = [exp for exp, resumes in zip(exps, epochs, strict=True) if resumes == epoch]
         if len(part) == 1:
@@ -105,14 +111,18 @@ def _train_together(
         trained = vectorized.fit_seeds(cfgs, dataset, strategy, checkpoints=[f.checkpoint for f in folders])
     share = (time.perf_counter() - started) / len(exps)  # each seed's part of the group's wall time
     results = {}
+    data_hash = dataset.content_hash()
     for exp, exp_cfg, folder, result in zip(exps, cfgs, folders, trained, strict=True):
         begun = time.perf_counter()
-        tags = {**sweep.experiment_tags(exp), "sweep.trained_with_seeds": str(len(exps))}
+        key = sweep.fingerprint(cfg, exp, data_hash)
+        tags = {**sweep.experiment_tags(exp, key), "sweep.trained_with_seeds": str(len(exps))}
         with stages.train_run(exp_cfg, folder, dataset, parent_run_id, f"sweep-{exp.name}", tags) as tracker:
             for row in result.history:  # every epoch, a resumed group's earlier ones too
                 tracker.log_epoch(row, step=int(row["epoch"]))
             tracker.flush()
             stages.write_trained(exp_cfg, folder, result, dataset)
             info = stages.log_trained(tracker, folder, dataset)
-        results[exp.name] = sweep.score(cfg, exp, paths, info, dataset, share + time.perf_counter() - begun)
+            seconds = share + time.perf_counter() - begun
+            scored = sweep.score(cfg, exp, paths, info, dataset, seconds, tracker)
+        results[exp.name] = sweep.keep(paths, exp, scored)
     return results

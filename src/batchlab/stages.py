@@ -147,20 +147,41 @@ def train(
     dataset: data.Dataset | None = None,
 ) -> dict[str, Any]:
     """Train on the prepared data, in this process or, under `strategy: ddp|fsdp`, on ranks started by torchrun."""
-    from batchlab.strategy import check_supported
-
     dataset = dataset or data.load(paths.data)
-    batch_fits(cfg.train.batch_size, dataset.train.y.shape[0], "train.batch_size")
-    check_supported(cfg.train)  # once, before any process starts
     if cfg.train.node_rank > 0:  # another machine's ranks: node 0 tracks and writes every output
+        _check_trainable(cfg, dataset)
         launch.launch(cfg.train, _rank_args(cfg, paths), paths.root, run_id=None)
         return {}
+    with training(cfg, paths, dataset, parent_run_id, name, tags) as (_, info):
+        return info
+
+
+def _check_trainable(cfg: Config, dataset: data.Dataset) -> None:
+    """Once, before any process starts or any run opens."""
+    from batchlab.strategy import check_supported
+
+    batch_fits(cfg.train.batch_size, dataset.train.y.shape[0], "train.batch_size")
+    check_supported(cfg.train)
+
+
+@contextlib.contextmanager
+def training(
+    cfg: Config,
+    paths: Paths,
+    dataset: data.Dataset,
+    parent_run_id: str | None = None,
+    name: str | None = None,
+    tags: dict[str, str] | None = None,
+) -> Iterator[tuple[tracking.Tracker, dict[str, Any]]]:
+    """Train and log the model, then yield the run, still open, with train.json's contents: what the
+    caller adds (a sweep experiment's scores) is recorded before the run ends FINISHED."""
+    _check_trainable(cfg, dataset)
     with train_run(cfg, paths, dataset, parent_run_id, name, tags) as tracker:
         if launch.uses_torchrun(cfg.train):
             launch.launch(cfg.train, _rank_args(cfg, paths), paths.root, tracker.run_id)
         else:
             train_worker(cfg, paths, tracker, dataset)
-        return log_trained(tracker, paths, dataset)
+        yield tracker, log_trained(tracker, paths, dataset)
 
 
 @contextlib.contextmanager

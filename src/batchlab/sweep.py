@@ -41,6 +41,7 @@ from batchlab import (
 from batchlab.config import Config, parse_config
 from batchlab.sweep_lock import exclusive
 from batchlab.sweep_state import Sweep
+from batchlab.tracking import children
 from batchlab.train import steps_per_epoch
 from batchlab.validate import batches_fit
 
@@ -136,28 +137,75 @@ def experiment_paths(paths: stages.Paths, exp: Experiment) -> stages.Paths:
     return stages.Paths(root=paths.root, out=paths.outputs / "sweep" / "experiments" / exp.name)
 
 
-def experiment_tags(exp: Experiment) -> dict[str, str]:
+# the experiment's fingerprint on its child run, and the result row the run stores before it ends
+# FINISHED: a rerun of a finished experiment (Dask runs a task at least once) returns that row
+KEY_TAG = "sweep.key"
+RESULT_ARTIFACT = "sweep/result.json"
+
+
+def experiment_tags(exp: Experiment, key: str) -> dict[str, str]:
     return {
         "sweep.batch_size": str(exp.batch_size),
         "sweep.seed": str(exp.seed),
         "sweep.lr_multiplier": f"{exp.lr_multiplier:g}",
+        KEY_TAG: key,
     }
 
 
+def stored_result(
+    cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None, data_hash: str
+) -> dict[str, Any] | None:
+    """The result of an experiment that finished already: its result.json, else the row its FINISHED
+    child run stored (its worker died after finishing, before the sweep collected it; or it ran in
+    another worker's folder). None when it is still to train; then its unfinished attempts, wherever
+    they ran, are ended KILLED, so that exactly one FINISHED run will hold it."""
+    key = fingerprint(cfg, exp, data_hash)
+    path = experiment_paths(paths, exp).outputs / "result.json"
+    found = _finished(path, key)
+    if found is not None:
+        return found
+    found = children.finished_result(cfg.tracking, parent_run_id, KEY_TAG, key, RESULT_ARTIFACT)
+    if found is not None and found.get("fingerprint") == key:
+        log.info("sweep: %s finished already (run %s): not training it again", exp.name, found.get("run_id"))
+        atomic.write_json(path, found)
+        return found
+    children.end_superseded(cfg.tracking, parent_run_id, KEY_TAG, key)
+    return None
+
+
+def keep(paths: stages.Paths, exp: Experiment, result: dict[str, Any]) -> dict[str, Any]:
+    """Write a scored experiment's result.json, once its run has ended FINISHED; returns the row."""
+    atomic.write_json(experiment_paths(paths, exp).outputs / "result.json", result)
+    return result
+
+
 def _train_and_score(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
-    """Train and test one experiment in its own folder; returns its result row."""
+    """Train and test one experiment in its own folder, unless it finished already; returns its result row."""
     started = time.perf_counter()
-    exp_paths = experiment_paths(paths, exp)
     dataset = data.load(paths.data)
+    data_hash = dataset.content_hash()
+    done = stored_result(cfg, exp, paths, parent_run_id, data_hash)
+    if done is not None:
+        return done
+    exp_paths = experiment_paths(paths, exp)
     exp_cfg = experiment_config(cfg, exp)
-    info = stages.train(exp_cfg, exp_paths, parent_run_id, f"sweep-{exp.name}", experiment_tags(exp), dataset)
-    return score(cfg, exp, paths, info, dataset, time.perf_counter() - started)
+    tags = experiment_tags(exp, fingerprint(cfg, exp, data_hash))
+    with stages.training(exp_cfg, exp_paths, dataset, parent_run_id, f"sweep-{exp.name}", tags) as (tracker, info):
+        result = score(cfg, exp, paths, info, dataset, time.perf_counter() - started, tracker)
+    return keep(paths, exp, result)
 
 
 def score(
-    cfg: Config, exp: Experiment, paths: stages.Paths, info: dict[str, Any], dataset: data.Dataset, seconds: float
+    cfg: Config,
+    exp: Experiment,
+    paths: stages.Paths,
+    info: dict[str, Any],
+    dataset: data.Dataset,
+    seconds: float,
+    tracker: tracking.Tracker,
 ) -> dict[str, Any]:
-    """Test a trained experiment, log its summary and write its result.json; returns its result row.
+    """Test a trained experiment and record its summary and result row in its run, still open;
+    returns the row (`keep` writes it once the run has ended).
     `seconds`: its training's wall time so far (what is not train_seconds is overhead)."""
     started = time.perf_counter() - seconds
     exp_paths = experiment_paths(paths, exp)
@@ -191,9 +239,8 @@ def score(
     }
     result["overhead_seconds"] = time.perf_counter() - started - train_seconds
     result["finished_at"] = time.time()  # what a killed sweep's next attempt counts its wall time up to
-    with tracking.run(cfg.tracking, run_id=info.get("run_id"), enabled=info.get("run_id") is not None) as tracker:
-        tracker.log_metrics({key: float(result[k]) for key, k in SUMMARY.items() if math.isfinite(result[k])})
-    atomic.write_json(exp_paths.outputs / "result.json", result)
+    tracker.log_metrics({key: float(result[k]) for key, k in SUMMARY.items() if math.isfinite(result[k])})
+    tracker.log_dict(result, RESULT_ARTIFACT)
     log.info("sweep: %s f1 %.4f, %.0f samples/s", exp.name, result["test_f1_macro"], result["samples_per_s"])
     return result
 

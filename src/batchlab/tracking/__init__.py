@@ -10,6 +10,7 @@
     outage          what happens while the backend is away
     pyfunc          the `predictor` pyfunc model (onnx_predictor.py, logged as code): logged, fetched for predict
     digests         sha256 of every file of a run's models, recorded by export, checked by `batchlab verify`
+    children        a parent's child runs by key: a finished one's stored result, attempts a rerun replaces
     record          a run's tags, params, metrics and torch weights, read back for `batchlab reproduce`
 
 `fit` and the stages receive a Tracker and never test a flag.

@@ -52,6 +52,9 @@ class Tracker:
     def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
         pass
 
+    def log_dict(self, values: Mapping[str, Any], artifact_file: str) -> None:
+        pass
+
     def log_datasets(self, dataset: Dataset, source: str) -> None:
         pass
 

@@ -129,6 +129,10 @@ class MlflowTracker(Tracker):
         columns = {key: [row.get(key) for row in rows] for key in rows[0]} if rows else {}
         self._persist(artifact_file, self.client.log_table, self.run_id, columns, artifact_file)
 
+    def log_dict(self, values: Mapping[str, Any], artifact_file: str) -> None:
+        """A JSON artifact (what tracking.children.finished_result reads back)."""
+        self._persist(artifact_file, self.client.log_dict, self.run_id, dict(values), artifact_file)
+
     def log_datasets(self, dataset: Dataset, source: str) -> None:
         from mlflow.data.numpy_dataset import from_numpy
         from mlflow.entities import DatasetInput, InputTag
