@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from batchlab import gns
 from batchlab.config import Config, load_config
 from batchlab.data import Dataset, build
-from batchlab.strategy import Strategy
-from batchlab.train import fit
+from batchlab.training import gns
+from batchlab.training.strategy import Strategy
+from batchlab.training.train import fit
 from common import REPO, Table, progress
 
 BATCH_SIZES = (16, 64, 256, 512)

@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
-from batchlab import sweep, vectorized
 from batchlab.config import Config, load_config
 from batchlab.data import Dataset, build
-from batchlab.strategy import Strategy
-from batchlab.train import fit
+from batchlab.seeds import vectorized
+from batchlab.sweep.experiment import experiment_config, plan
+from batchlab.training.strategy import Strategy
+from batchlab.training.train import fit
 from common import REPO, Table, progress, verdict
 
 BATCH_SIZES = (16, 32, 64)
@@ -46,8 +47,8 @@ def configs(base: Config, batch: int, n_train: int, dropout: float | None = None
             "tracking": base.tracking.model_copy(update={"enabled": False}),
         }
     )
-    exps = [e for e in sweep.plan(cfg, n_train) if e.batch_size == batch]
-    return [sweep.experiment_config(cfg, e) for e in exps]
+    exps = [e for e in plan(cfg, n_train) if e.batch_size == batch]
+    return [experiment_config(cfg, e) for e in exps]
 
 
 def seconds(call: Any) -> float:

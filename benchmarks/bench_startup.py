@@ -112,7 +112,7 @@ main()
 EXPORTER = r"""
 import json, sys, time, warnings
 import torch
-from batchlab import export
+from batchlab.inference import export
 from batchlab.data import load
 from batchlab.model import load_model
 

@@ -9,8 +9,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from batchlab import stages, sweep
+from batchlab import stages
 from batchlab.config import Config, load_config
+from batchlab.sweep.run import run_sweep
 from common import REPO, Table, markdown, progress, timed, working_dir
 
 WALL_TARGET_S = 90.0  # issue #11: the default study (6 batch sizes x 3 seeds) in at most 90 s on 2 cores
@@ -22,7 +23,7 @@ def run_once(cfg: Config, folder: Path) -> dict[str, Any]:
     with working_dir(folder):
         paths = stages.Paths(folder)
         stages.generate(cfg, paths)
-        summary, wall = timed(lambda: sweep.run_sweep(cfg, paths))
+        summary, wall = timed(lambda: run_sweep(cfg, paths))
         results = [json.loads(p.read_text()) for p in sorted(folder.glob("sweep/experiments/*/result.json"))]
     return {
         "wall_s": wall,

@@ -27,8 +27,8 @@ from typing import Any
 
 import yaml
 
-from batchlab import launch
 from batchlab.config import ModelConfig
+from batchlab.training import launch
 from common import Table, cli_env, markdown, progress, verdict
 
 BATCHES = (16, 64, 512)

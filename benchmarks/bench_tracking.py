@@ -24,9 +24,9 @@ import torch
 from batchlab import data, stages, tracking
 from batchlab.config import Config, load_config
 from batchlab.model import build_model
-from batchlab.strategy import Strategy
 from batchlab.tracking.mlflow_tracker import MlflowTracker
-from batchlab.train import fit
+from batchlab.training.strategy import Strategy
+from batchlab.training.train import fit
 from common import REPO, Table, markdown, progress, timed, verdict, working_dir
 
 REPEATS = 3

@@ -23,8 +23,9 @@ from prefect.cache_policies import NONE
 from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
-from batchlab import launch, orchestration, stages
+from batchlab import orchestration, stages
 from batchlab.config import Config
+from batchlab.training import launch
 
 RETRY = {
     "retries": 2,

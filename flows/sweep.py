@@ -1,5 +1,5 @@
 """Prefect flow: the batch-size sweep, one task per experiment (or per batch size whose seeds train
-together, seed_group.py), `sweep.parallel` at a time."""
+together, groups.py), `sweep.parallel` at a time."""
 
 from __future__ import annotations
 
@@ -18,8 +18,12 @@ from prefect.cache_policies import NONE
 from prefect.futures import PrefectFuture
 from prefect.tasks import exponential_backoff
 
-from batchlab import executors, launch, orchestration, seed_group, stages, sweep, sweep_lock
+from batchlab import orchestration, stages
 from batchlab.config import Config
+from batchlab.sweep import executors, groups, lock
+from batchlab.sweep.experiment import Experiment
+from batchlab.sweep.run import finish, parent_run, prepare
+from batchlab.training import launch
 from pipeline import generate  # flows/ is on sys.path when a flow file runs
 
 
@@ -31,20 +35,18 @@ from pipeline import generate  # flows/ is on sys.path when a flow file runs
     retry_condition_fn=orchestration.retry_transient,
     cache_policy=NONE,
 )
-def experiment(
-    cfg: Config, group: list[sweep.Experiment], name: str, root: str, parent_run_id: str | None
-) -> dict[str, Any]:
+def experiment(cfg: Config, group: list[Experiment], name: str, root: str, parent_run_id: str | None) -> dict[str, Any]:
     """The result rows of one experiment, or of the seeds of a batch size trained together, by name."""
-    return seed_group.run_group(cfg, group, stages.Paths(Path(root)), parent_run_id)
+    return groups.run_group(cfg, group, stages.Paths(Path(root)), parent_run_id)
 
 
 def in_lanes(
-    cfg: Config, todo: list[sweep.Experiment], paths: stages.Paths, parent_run_id: str | None
+    cfg: Config, todo: list[Experiment], paths: stages.Paths, parent_run_id: str | None
 ) -> dict[str, dict[str, Any]]:
     """The local executor as Prefect tasks: `sweep.parallel` lanes, each one group at a time."""
     root = str(paths.root)
     futures: list[PrefectFuture[dict[str, Any]]] = []
-    for lane in sweep.lanes(seed_group.groups(cfg, todo), cfg.sweep.parallel):
+    for lane in groups.lanes(groups.groups(cfg, todo), cfg.sweep.parallel):
         previous: list[PrefectFuture[dict[str, Any]]] = []
         for group in lane:  # one lane runs its groups one after another
             name = "+".join(exp.name for exp in group)
@@ -60,15 +62,15 @@ def batch_size_sweep(
 ) -> dict[str, Any]:
     """Train at every sweep.batch_sizes under identical conditions; report the trade-off."""
     paths = stages.Paths(Path(root))
-    with sweep_lock.exclusive(paths):  # the lock `batchlab sweep` takes: one sweep per folder, flow or CLI
+    with lock.exclusive(paths):  # the lock `batchlab sweep` takes: one sweep per folder, flow or CLI
         cfg = orchestration.resolve(params, overrides, root)
         generate.with_options(refresh_cache=orchestration.refresh_generate(cfg, root))(cfg, root)
         launch.apply_stage_threads("sweep", cfg, paths.data)  # as `batchlab sweep` does
         executor = executors.for_sweep(cfg, local=in_lanes)  # sweep.executor: dask runs a subflow on the cluster
-        study = sweep.prepare(cfg, paths)
-        with sweep.parent_run(cfg, paths, study) as parent:
+        study = prepare(cfg, paths)
+        with parent_run(cfg, paths, study) as parent:
             results = executor.run(cfg, study.todo, paths, parent.run_id)
-            summary = sweep.finish(cfg, paths, study, results, parent)
+            summary = finish(cfg, paths, study, results, parent)
     create_markdown_artifact(
         key="batchlab-sweep", markdown=f"**MLflow parent run:** `{study.parent_run_id}`\n\n{summary['markdown']}"
     )

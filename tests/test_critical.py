@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from batchlab import critical
+from batchlab.study import critical
 
 
 def _steps(batch: int, s_min: float = 40.0, b_crit: float = 250.0) -> float:

@@ -21,8 +21,9 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from batchlab import stages, sweep
+from batchlab import stages
 from batchlab.config import load_config, parse_config
+from batchlab.sweep.run import run_sweep
 from tests.conftest import (
     BIN,
     REPO,
@@ -163,7 +164,7 @@ def _assert_f1_equals_the_local_executor(folder: Path, tmp_path: Path) -> None:
     shutil.copytree(folder / "data", local / "data")
     cfg = merge(yaml.safe_load((folder / "params.yaml").read_text()), {"sweep": {"executor": "local"}})
     write_params(local, merge(cfg, {"tracking": {"enabled": False}}))
-    sweep.run_sweep(load_config(local / "params.yaml"), stages.Paths(local))
+    run_sweep(load_config(local / "params.yaml"), stages.Paths(local))
     dask_f1, local_f1 = _f1_by_batch(folder), _f1_by_batch(local)
     assert dask_f1.keys() == local_f1.keys() == {"16", "32"}
     for batch, f1 in local_f1.items():

@@ -9,8 +9,8 @@ import onnx
 import pytest
 import torch
 
-from batchlab import export
 from batchlab.config import ModelConfig
+from batchlab.inference import export
 from batchlab.model import build_model
 
 
@@ -75,7 +75,7 @@ def test_every_activation_passes_the_gate_through_the_torchscript_exporter(
 LOADED = """
 import sys
 import torch
-from batchlab import export
+from batchlab.inference import export
 from batchlab.config import ModelConfig
 from batchlab.model import build_model
 export.export_onnx(build_model(ModelConfig(hidden_sizes=[8]), 4, 2), 4, sys.argv[2], opset=int(sys.argv[1]))

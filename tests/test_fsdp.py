@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from batchlab import data
-from batchlab.checkpoint import SHARDED_META, latest_epoch
 from batchlab.config import load_config
-from batchlab.strategy import Strategy
-from batchlab.train import fit
+from batchlab.training.checkpoint import SHARDED_META, latest_epoch
+from batchlab.training.strategy import Strategy
+from batchlab.training.train import fit
 from tests.conftest import env_with_venv, run, set_params, wait_until
 from tests.test_ddp import DDP, _max_diff, _rank_process, _weights
 
@@ -94,7 +94,7 @@ def test_killed_fsdp_rank_resumes_to_the_same_weights_and_its_checkpoint_resumes
     cfg = load_config(repo_copy / "params.yaml")
     torch.set_num_threads(1)
     one = Strategy(torch.device("cpu"), sharded=True)  # world size 1: the whole batch in one process
-    with caplog.at_level(logging.INFO, logger="batchlab.sharded"):
+    with caplog.at_level(logging.INFO, logger="batchlab.training.sharded"):
         result = fit(cfg, data.load(repo_copy / "data/prepared"), one, checkpoint=folder.with_suffix(".pt"))
     assert f"resuming from {folder / saved.name}" in caplog.text
     assert len(result.history) == LONG["epochs"]

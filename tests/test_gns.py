@@ -11,13 +11,14 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from batchlab import gns, stages
+from batchlab import stages
 from batchlab.config import Config, load_config
 from batchlab.data import Dataset
 from batchlab.data import load as load_data
-from batchlab.gns import NoiseScale
-from batchlab.strategy import Strategy
-from batchlab.train import TrainResult, fit
+from batchlab.training import gns
+from batchlab.training.gns import NoiseScale
+from batchlab.training.strategy import Strategy
+from batchlab.training.train import TrainResult, fit
 from tests.conftest import run, set_params, tiny_config
 from tests.test_train import StopAfter
 

@@ -10,9 +10,9 @@ import threading
 import psutil
 import pytest
 
-from batchlab import launch
 from batchlab.config import TrainConfig, parse_config
 from batchlab.data import Shape
+from batchlab.training import launch
 from tests.conftest import tiny_config
 
 
@@ -35,7 +35,7 @@ def test_several_machines_use_a_static_rendezvous_at_the_endpoint() -> None:
 
 def test_one_machine_launches_torchrun_with_its_stores_on_loopback() -> None:
     cmd = launch.launch_command(_train(nproc=2), ["train"])
-    assert cmd[:3] == [sys.executable, "-m", "batchlab.loopback"]
+    assert cmd[:3] == [sys.executable, "-m", "batchlab.training.loopback"]
     assert cmd[-3:] == ["-m", "batchlab.cli", "train"]
 
 

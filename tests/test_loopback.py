@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, c10d_rendezvous_backend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
-from batchlab import loopback
+from batchlab.training import loopback
 from tests.conftest import env_with_venv, free_port, run, set_params
 from tests.test_ddp import DDP, _rank_process, _wait_for_epoch
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from batchlab.config import Config
-from batchlab.memory import largest_batch_within, step_memory_mib
+from batchlab.study.memory_fit import largest_batch_within
+from batchlab.training.memory import step_memory_mib
 
 CPU = torch.device("cpu")
 FEATURES, CLASSES = 10, 2

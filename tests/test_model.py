@@ -8,8 +8,8 @@ import torch
 
 from batchlab.data import DataError, Dataset
 from batchlab.model import load_model, save_model
-from batchlab.strategy import Strategy
-from batchlab.train import fit
+from batchlab.training.strategy import Strategy
+from batchlab.training.train import fit
 from tests.conftest import tiny_config
 
 CPU = Strategy(torch.device("cpu"))

@@ -14,8 +14,8 @@ from sklearn.linear_model import LogisticRegression
 
 from batchlab import data, stages
 from batchlab.config import ModelConfig
+from batchlab.inference.predict import OnnxClassifier
 from batchlab.model import build_model, save_model
-from batchlab.predict import OnnxClassifier
 from tests.conftest import TINY, merge, run, tiny_config, write_params
 
 

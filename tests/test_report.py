@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from batchlab import atomic, critical, report, study
+from batchlab import atomic
+from batchlab.study import analysis, critical, report
 
 
 def _result(batch: int, seed: int, mult: float = 1.0, f1: float = 0.95, floor: float = 0.1) -> dict[str, Any]:
@@ -27,7 +28,7 @@ def _result(batch: int, seed: int, mult: float = 1.0, f1: float = 0.95, floor: f
 
 def test_study_finds_steps_to_target_fits_b_crit_and_reads_b_simple_at_the_target() -> None:
     results = [_result(b, seed) for b in (16, 32, 64, 128, 256, 512) for seed in (0, 1, 2)]
-    found = study.analyse(results, n_test=600, target_val_loss=0.2, memory_budget_mb=1.0)
+    found = analysis.analyse(results, n_test=600, target_val_loss=0.2, memory_budget_mb=1.0)
     assert isinstance(found.fit, critical.Fit)
     assert found.fit.b_crit == pytest.approx(250, rel=0.05) and found.fit.r2 > 0.99
     assert found.fit.b_crit_low <= found.fit.b_crit <= found.fit.b_crit_high
@@ -43,7 +44,7 @@ def test_study_finds_steps_to_target_fits_b_crit_and_reads_b_simple_at_the_targe
 
 def test_auto_target_is_reached_by_every_experiment() -> None:
     results = [_result(b, 0, floor=0.1 + b / 10_000) for b in (16, 64, 256)]
-    found = study.analyse(results, n_test=600, target_val_loss=None, memory_budget_mb=None)
+    found = analysis.analyse(results, n_test=600, target_val_loss=None, memory_budget_mb=None)
     worst_best = max(min(r["curve_val_loss"]) for r in results)  # batch 256 bottoms out highest
     assert worst_best == min(results[-1]["curve_val_loss"]) and found.target == pytest.approx(worst_best * 1.02)
     assert all(r["steps_to_target"] is not None for r in found.results)
@@ -52,7 +53,7 @@ def test_auto_target_is_reached_by_every_experiment() -> None:
 
 def test_a_target_nobody_reaches_is_reported_per_batch_size_without_a_fit(tmp_path: Path) -> None:
     results = [_result(b, s) for b in (16, 64) for s in (0, 1, 2)]
-    found = study.analyse(results, n_test=600, target_val_loss=0.01, memory_budget_mb=None)
+    found = analysis.analyse(results, n_test=600, target_val_loss=0.01, memory_budget_mb=None)
     assert isinstance(found.fit, critical.NoFit) and "only 0 batch size(s)" in found.fit.reason
     text = report.write(found, tmp_path, _context())
     assert "(0/3 reached)" in text and "No critical batch size" in text and "never reached it: 16, 64" in text
@@ -61,7 +62,7 @@ def test_a_target_nobody_reaches_is_reported_per_batch_size_without_a_fit(tmp_pa
 def test_lr_multiplier_with_the_lowest_val_loss_wins_per_batch_size(tmp_path: Path) -> None:
     results = [_result(64, s, mult=0.5, floor=0.12) for s in (0, 1)] + [_result(64, s, floor=0.1) for s in (0, 1)]
     results += [_result(256, s, mult=0.5, floor=0.1) for s in (0, 1)] + [_result(256, s, floor=0.13) for s in (0, 1)]
-    found = study.analyse(results, n_test=600, target_val_loss=0.2, memory_budget_mb=None)
+    found = analysis.analyse(results, n_test=600, target_val_loss=0.2, memory_budget_mb=None)
     assert found.lr_choice == {64: 1.0, 256: 0.5}
     assert {(r["batch_size"], r["lr_multiplier"]) for r in found.results} == {(64, 1.0), (256, 0.5)}
     assert "batch 64: ×1, batch 256: ×0.5" in report.write(found, tmp_path, _context())
@@ -73,7 +74,7 @@ def _context() -> dict[str, Any]:
 
 def test_report_files_state_cis_units_and_the_assumptions(tmp_path: Path) -> None:
     results = [_result(b, seed) for b in (16, 64, 256) for seed in (0, 1, 2)]
-    found = study.analyse(results, n_test=600, target_val_loss=0.2, memory_budget_mb=None)
+    found = analysis.analyse(results, n_test=600, target_val_loss=0.2, memory_budget_mb=None)
     text = report.write(found, tmp_path, _context())
     for name in (
         "summary.csv",

@@ -9,8 +9,8 @@ import torch
 
 from batchlab.config import ConfigError
 from batchlab.data import Dataset, build
-from batchlab.strategy import Strategy, check_supported, describe
-from batchlab.train import fit
+from batchlab.training.strategy import Strategy, check_supported, describe
+from batchlab.training.train import fit
 from tests.conftest import tiny_config
 
 CPU = Strategy(torch.device("cpu"))

@@ -16,25 +16,28 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
-from batchlab import atomic, stages, sweep
+from batchlab import atomic, stages
 from batchlab.config import ConfigError
-from batchlab.train import initial_model
+from batchlab.sweep import experiment
+from batchlab.sweep.experiment import experiment_config, plan, scaled_lr
+from batchlab.sweep.run import prepare, run_sweep
+from batchlab.training.train import initial_model
 from tests.conftest import env_with_venv, merge, run, tiny_config, wait_until, write_params
 
 TRACK = {"enabled": True, "experiment": "sweep-test", "registered_model": ""}
 
 
 def test_lr_scaling_rules() -> None:
-    assert sweep.scaled_lr(0.01, 64, 256, "linear") == pytest.approx(0.04)
-    assert sweep.scaled_lr(0.01, 64, 256, "sqrt") == pytest.approx(0.02)
-    assert sweep.scaled_lr(0.01, 64, 16, "none") == 0.01
+    assert scaled_lr(0.01, 64, 256, "linear") == pytest.approx(0.04)
+    assert scaled_lr(0.01, 64, 256, "sqrt") == pytest.approx(0.02)
+    assert scaled_lr(0.01, 64, 16, "none") == 0.01
 
 
 def test_sweep_records_parent_children_and_report(workdir: Path) -> None:
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri}, sweep={"lr_scaling": "sqrt", "seeds": [0, 1]})
     stages.generate(cfg, stages.Paths(workdir))
-    summary = sweep.run_sweep(cfg, stages.Paths(workdir))
+    summary = run_sweep(cfg, stages.Paths(workdir))
 
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("sweep-test").experiment_id])
@@ -87,7 +90,7 @@ def test_sweep_records_parent_children_and_report(workdir: Path) -> None:
 def test_lr_multipliers_run_each_batch_size_at_each_lr_and_keep_the_best(workdir: Path) -> None:
     cfg = tiny_config(sweep={"batch_sizes": [16, 64], "lr_multipliers": [0.25, 1, 4]})
     stages.generate(cfg, stages.Paths(workdir))
-    summary = sweep.run_sweep(cfg, stages.Paths(workdir))
+    summary = run_sweep(cfg, stages.Paths(workdir))
     names = sorted(p.name for p in (workdir / "sweep/experiments").iterdir())
     assert names == sorted(f"bs{b}{m}-seed0" for b in (16, 64) for m in ("-lrx0.25", "", "-lrx4"))
     results = [json.loads(p.read_text()) for p in (workdir / "sweep/experiments").glob("*/result.json")]
@@ -102,15 +105,15 @@ def test_lr_multipliers_run_each_batch_size_at_each_lr_and_keep_the_best(workdir
 def test_results_of_other_code_are_measured_again(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tiny_config(sweep={"batch_sizes": [16, 64]})
     stages.generate(cfg, stages.Paths(workdir))
-    sweep.run_sweep(cfg, stages.Paths(workdir))
-    assert sweep.prepare(cfg, stages.Paths(workdir)).todo == []
-    monkeypatch.setattr(sweep, "code_hash", lambda: "edited")  # what an edit to src/batchlab does
-    assert len(sweep.prepare(cfg, stages.Paths(workdir)).todo) == 2
+    run_sweep(cfg, stages.Paths(workdir))
+    assert prepare(cfg, stages.Paths(workdir)).todo == []
+    monkeypatch.setattr(experiment, "code_hash", lambda: "edited")  # what an edit to src/batchlab does
+    assert len(prepare(cfg, stages.Paths(workdir)).todo) == 2
 
 
 def test_experiments_differ_only_in_batch_size_and_lr() -> None:
     cfg = tiny_config(train={"early_stopping_patience": 3}, sweep={"lr_scaling": "linear"})
-    configs = [sweep.experiment_config(cfg, e) for e in sweep.plan(cfg, n_train=420)]
+    configs = [experiment_config(cfg, e) for e in plan(cfg, n_train=420)]
     first = configs[0].model_dump()
     for other in configs[1:]:
         dump = other.model_dump()
@@ -126,7 +129,7 @@ def test_batch_larger_than_train_split_is_rejected_before_anything_runs(workdir:
     cfg = tiny_config(sweep={"batch_sizes": [32, 4096]})
     stages.generate(cfg, stages.Paths(workdir))
     with pytest.raises(ConfigError, match=r"sweep.batch_sizes \[4096\] are larger than the train split \(420 rows\)"):
-        sweep.run_sweep(cfg, stages.Paths(workdir))
+        run_sweep(cfg, stages.Paths(workdir))
     assert not (workdir / "sweep").exists() and not (workdir / "reports").exists()
 
 
@@ -174,7 +177,7 @@ def test_parallel_sweep_runs_experiments_in_processes_without_tracking_collision
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri}, sweep={"parallel": 2, "seeds": [0, 1]})
     stages.generate(cfg, stages.Paths(workdir))
-    sweep.run_sweep(cfg, stages.Paths(workdir))
+    run_sweep(cfg, stages.Paths(workdir))
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("sweep-test").experiment_id])
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
@@ -198,12 +201,12 @@ def test_rerun_of_a_finished_sweep_changes_nothing(workdir: Path, caplog: pytest
     cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri})
     paths = stages.Paths(workdir)
     stages.generate(cfg, paths)
-    sweep.run_sweep(cfg, paths)
+    run_sweep(cfg, paths)
     reports, state = workdir / "reports/sweep", workdir / "sweep/state.json"
     before, state_before, n_runs = _md5s(reports), state.read_bytes(), len(_runs(uri))
 
     caplog.set_level(logging.INFO, logger="batchlab")
-    sweep.run_sweep(cfg, paths)
+    run_sweep(cfg, paths)
     assert "sweep: all 3 experiments already finished; nothing to do" in caplog.text
     assert "resuming" not in caplog.text
     assert _md5s(reports) == before and state.read_bytes() == state_before
@@ -212,7 +215,7 @@ def test_rerun_of_a_finished_sweep_changes_nothing(workdir: Path, caplog: pytest
     # `dvc repro` deletes reports/sweep (cache: false) before the stage runs: the same bytes come back
     for file in reports.iterdir():
         file.unlink()
-    sweep.run_sweep(cfg, paths)
+    run_sweep(cfg, paths)
     assert _md5s(reports) == before and len(_runs(uri)) == n_runs
 
 
@@ -221,7 +224,7 @@ def test_resumed_sweep_reports_totals_over_every_experiment(workdir: Path) -> No
     cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri})
     paths = stages.Paths(workdir)
     stages.generate(cfg, paths)
-    first = sweep.run_sweep(cfg, paths)
+    first = run_sweep(cfg, paths)
     experiments = workdir / "sweep/experiments"
     kept = {name: (experiments / name / "result.json").read_text() for name in ("bs16-seed0", "bs64-seed0")}
     # bs32 as a killed attempt leaves it: no result.json, its run ended KILLED
@@ -230,7 +233,7 @@ def test_resumed_sweep_reports_totals_over_every_experiment(workdir: Path) -> No
     MlflowClient(uri).set_terminated(killed, "KILLED")
     runs_before = {r.info.run_id for r in _runs(uri)}
 
-    second = sweep.run_sweep(cfg, paths)
+    second = run_sweep(cfg, paths)
     new = [r for r in _runs(uri) if r.info.run_id not in runs_before]
     assert [r.info.run_name for r in new] == ["sweep-bs32-seed0"]  # only the missing experiment trained
     assert {name: (experiments / name / "result.json").read_text() for name in kept} == kept
@@ -259,7 +262,7 @@ def test_experiment_whose_run_finished_is_not_trained_again_without_its_result_j
     cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri}, sweep=sweep_params)
     paths = stages.Paths(workdir)
     stages.generate(cfg, paths)
-    first = sweep.run_sweep(cfg, paths)
+    first = run_sweep(cfg, paths)
     experiments = workdir / "sweep/experiments"
     names = [f"bs{b}-seed{s}" for b in (16, 32) for s in seeds]
     stored = {name: json.loads((experiments / name / "result.json").read_text()) for name in names}
@@ -268,7 +271,7 @@ def test_experiment_whose_run_finished_is_not_trained_again_without_its_result_j
     (workdir / "reports").joinpath("sweep", "sweep.json").unlink()
     runs_before = sorted((r.info.run_name, r.info.status) for r in _runs(uri))
 
-    second = sweep.run_sweep(cfg, paths)
+    second = run_sweep(cfg, paths)
     assert sorted((r.info.run_name, r.info.status) for r in _runs(uri)) == runs_before  # no run trained again
     assert [n for n, status in runs_before if n.startswith("sweep-bs")] == sorted(f"sweep-{n}" for n in names)
     for name, result in stored.items():

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from batchlab import train
 from batchlab.data import Dataset, Split
 from batchlab.model import save_torch
-from batchlab.strategy import Strategy
-from batchlab.train import NonFiniteError, fit, make_optimizer, make_schedule
+from batchlab.training import train
+from batchlab.training.strategy import Strategy
+from batchlab.training.train import NonFiniteError, fit, make_optimizer, make_schedule
 from tests.conftest import tiny_config
 
 CPU = Strategy(torch.device("cpu"))

@@ -13,12 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from batchlab import data, gns, probes, seed_group, stages, sweep, vectorized
+from batchlab import data, stages
 from batchlab.config import Config
 from batchlab.data import Dataset, Split
 from batchlab.model import ACTIVATIONS
-from batchlab.strategy import Strategy
-from batchlab.train import TrainResult, fit
+from batchlab.seeds import vectorized
+from batchlab.sweep import groups, probes
+from batchlab.sweep.experiment import Experiment, experiment_config
+from batchlab.sweep.run import run_sweep
+from batchlab.training import gns
+from batchlab.training.strategy import Strategy
+from batchlab.training.train import TrainResult, fit
 from tests.conftest import tiny_config
 
 TOL = 1e-6
@@ -121,7 +126,7 @@ def test_interrupted_group_resumes_in_either_path_to_the_uninterrupted_result(
 def _sweep(folder: Path, vectorize: bool) -> list[dict[str, Any]]:
     cfg = tiny_config(sweep={"batch_sizes": [16, 64], "seeds": [0, 1], "vectorize_seeds": vectorize})
     stages.generate(cfg, stages.Paths(folder))
-    sweep.run_sweep(cfg, stages.Paths(folder))
+    run_sweep(cfg, stages.Paths(folder))
     return [json.loads(p.read_text()) for p in sorted((folder / "sweep/experiments").glob("*/result.json"))]
 
 
@@ -130,9 +135,9 @@ def test_sweep_with_seeds_together_gives_the_sequential_result_rows(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     sequential = _sweep(tmp_path / "apart", False)
-    with caplog.at_level(logging.INFO, logger="batchlab.seed_group"):
+    with caplog.at_level(logging.INFO, logger="batchlab.sweep.groups"):
         together = _sweep(tmp_path / "together", True)
-    said = {r.getMessage() for r in caplog.records if r.name == "batchlab.seed_group"}
+    said = {r.getMessage() for r in caplog.records if r.name == "batchlab.sweep.groups"}
     assert said == {f"sweep: bs{b}-seed0, bs{b}-seed1 train together" for b in (16, 64)}
     assert [r["name"] for r in together] == [r["name"] for r in sequential] and len(together) == 4
     for a, b in zip(sequential, together, strict=True):
@@ -152,21 +157,21 @@ def test_sweep_with_seeds_together_gives_the_sequential_result_rows(
     cfg = tiny_config(sweep={"batch_sizes": [16, 64], "seeds": [0, 1], "vectorize_seeds": True})
     dataset = data.load(stages.Paths(tmp_path / "together").data)
     for row in together:
-        exp = sweep.Experiment(**{k: row[k] for k in ("batch_size", "seed", "lr", "epochs", "lr_multiplier",
+        exp = Experiment(**{k: row[k] for k in ("batch_size", "seed", "lr", "epochs", "lr_multiplier",
                                                          "eval_every_steps")})  # fmt: skip
-        solo = probes.solo_speed(sweep.experiment_config(cfg, exp), dataset)  # measured once: the same figure
+        solo = probes.solo_speed(experiment_config(cfg, exp), dataset)  # measured once: the same figure
         assert (row["samples_per_s"], row["epoch_seconds"]) == (solo["samples_per_s"], solo["epoch_seconds"])
 
 
 def test_seeds_train_apart_where_the_vectorized_path_does_not_apply(caplog: pytest.LogCaptureFixture) -> None:
-    todo = [sweep.Experiment(b, s, 0.01, 3) for b in (16, 32) for s in (0, 1)]
-    assert [len(g) for g in seed_group.groups(tiny_config(sweep={"seeds": [0, 1]}), todo)] == [2, 2]
+    todo = [Experiment(b, s, 0.01, 3) for b in (16, 32) for s in (0, 1)]
+    assert [len(g) for g in groups.groups(tiny_config(sweep={"seeds": [0, 1]}), todo)] == [2, 2]
     off = tiny_config(sweep={"seeds": [0, 1], "vectorize_seeds": False})
-    assert [len(g) for g in seed_group.groups(off, todo)] == [1, 1, 1, 1]
+    assert [len(g) for g in groups.groups(off, todo)] == [1, 1, 1, 1]
     ddp = tiny_config(train={"strategy": "ddp", "nproc": 2}, sweep={"seeds": [0, 1]})
-    with caplog.at_level(logging.INFO, logger="batchlab.seed_group"):
-        assert [len(g) for g in seed_group.groups(ddp, todo)] == [1, 1, 1, 1]
-    said = [r.getMessage() for r in caplog.records if r.name == "batchlab.seed_group"]
+    with caplog.at_level(logging.INFO, logger="batchlab.sweep.groups"):
+        assert [len(g) for g in groups.groups(ddp, todo)] == [1, 1, 1, 1]
+    said = [r.getMessage() for r in caplog.records if r.name == "batchlab.sweep.groups"]
     assert len(said) == 1 and "seeds train one after another: train.strategy ddp with 2 ranks" in said[0]
     with pytest.raises(ValueError, match="fp16"):
         vectorized.fit_seeds(_configs(precision="fp16"), Dataset.__new__(Dataset), Strategy(CPU))

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from batchlab import verdict
+from batchlab.study import verdict
 
 
 def test_mean_ci_uses_students_t() -> None:

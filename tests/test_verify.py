@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from batchlab.verify import dir_hash, md5
+from batchlab.audit.verify import dir_hash, md5
 from tests.conftest import TINY, run, set_params, write_params
 
 

@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> None:
         validate(cfg)
         return
     if args.stage == "reproduce":
-        from batchlab import reproduce
+        from batchlab.audit import reproduce
         from batchlab.tracking import quiet_mlflow, resolve_uri
 
         quiet_mlflow()
@@ -206,7 +206,8 @@ def run(args: argparse.Namespace) -> None:
     if args.stage == "ui-url":
         print(ui_url(args.port, experiment_id(args.store, cfg.tracking.experiment)))
         return
-    from batchlab import launch, stages
+    from batchlab import stages
+    from batchlab.training import launch
 
     if cfg.tracking.enabled and args.stage != "generate":
         from batchlab.tracking import quiet_mlflow
@@ -227,20 +228,25 @@ def run(args: argparse.Namespace) -> None:
     elif args.stage == "export":
         stages.export(cfg, paths)
     elif args.stage == "sweep":
-        print(stages.sweep(cfg, paths)["markdown"])  # the trade-off table, for the person who ran it
+        from batchlab.sweep.run import run_sweep  # scikit-learn and matplotlib: imported by this stage only
+
+        print(run_sweep(cfg, paths)["markdown"])  # the trade-off table, for the person who ran it
 
 
 def _predict(args: argparse.Namespace) -> None:
-    from batchlab import predict
+    from batchlab.inference import predict
 
-    tracking_uri = None
     if predict.is_mlflow_uri(args.model):
         from batchlab.config import load_config
         from batchlab.tracking import quiet_mlflow, resolve_uri
+        from batchlab.tracking.pyfunc import onnx_file
 
         tracking_uri = resolve_uri(load_config(args.params).tracking)
         quiet_mlflow()
-    model = predict.load(args.model, tracking_uri)
+        with onnx_file(args.model, tracking_uri) as path:  # the session holds the model once built
+            model = predict.load(str(path))
+    else:
+        model = predict.load(args.model)
     try:
         rows = predict.predict_file(model, args.input, args.output, args.chunk_rows)
     except BrokenPipeError:  # stdout piped into `head`: the reader has what it wanted
@@ -254,7 +260,7 @@ def _verify(outputs: Path, tracking_uri: str | None) -> None:
     """The DVC repo here; the MLflow run of `outputs`/reports/train.json."""
     import json
 
-    from batchlab import verify
+    from batchlab.audit import verify
     from batchlab.tracking import quiet_mlflow
 
     info = outputs / "reports" / "train.json"
@@ -281,9 +287,10 @@ def _exit_now(status: int) -> NoReturn:
 
 def _status(args: argparse.Namespace) -> int:
     # the error types: none of these modules imports torch or mlflow
-    from batchlab import launch, tracking
+    from batchlab import tracking
     from batchlab.config import ConfigError
     from batchlab.data import DataError
+    from batchlab.training import launch
 
     signal.signal(signal.SIGTERM, _terminate)
     try:

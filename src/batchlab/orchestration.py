@@ -6,8 +6,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from batchlab import launch, stages, tracking
+from batchlab import stages, tracking
 from batchlab.config import Config, load_config
+from batchlab.training import launch
 
 # worth another try: a tracking server that is restarting, a DDP launcher that lost a rank
 TRANSIENT = (tracking.TrackingUnavailable, launch.LaunchError, ConnectionError, TimeoutError)

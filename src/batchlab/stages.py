@@ -12,58 +12,20 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from batchlab import atomic, data, launch, tracking
+from batchlab import atomic, data, tracking
 from batchlab import config as config_module
 from batchlab.config import Config, dump_config
+from batchlab.paths import Paths
+from batchlab.training import launch
 from batchlab.validate import batch_fits
 
 if TYPE_CHECKING:
-    from batchlab.train import TrainResult
+    from batchlab.training.train import TrainResult
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Paths:
-    """Where each stage reads and writes, relative to the repo root (dvc.yaml uses the same).
-
-    `out` moves models/, reports/ and the checkpoint elsewhere: a sweep gives each experiment its own.
-    """
-
-    root: Path = Path(".")
-    out: Path | None = None
-
-    @property
-    def outputs(self) -> Path:
-        return self.root if self.out is None else self.out
-
-    @property
-    def data(self) -> Path:
-        return self.root / "data" / "prepared"
-
-    @property
-    def model(self) -> Path:
-        return self.outputs / "models" / "model.pt"
-
-    @property
-    def onnx(self) -> Path:
-        return self.outputs / "models" / "model.onnx"
-
-    @property
-    def checkpoint(self) -> Path:
-        return self.outputs / ".batchlab" / "checkpoints" / "train.pt"
-
-    @property
-    def reports(self) -> Path:
-        return self.outputs / "reports"
-
-    @property
-    def run_info(self) -> Path:
-        return self.reports / "train.json"
 
 
 def generate_inputs_key(cfg: Config) -> str:
@@ -91,8 +53,8 @@ def train_worker(
     """One training process: the only one, or one rank under torchrun. Rank 0 writes the outputs."""
     import torch
 
-    from batchlab.strategy import session
-    from batchlab.train import fit
+    from batchlab.training.strategy import session
+    from batchlab.training.train import fit
 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -113,8 +75,8 @@ def write_trained(cfg: Config, paths: Paths, result: TrainResult, dataset: data.
     """A finished training's outputs: the model, its history and val curve, a summary; the checkpoint goes."""
     import torch
 
-    from batchlab.checkpoint import discard
     from batchlab.model import save_model
+    from batchlab.training.checkpoint import discard
 
     save_model(paths.model, result.model, cfg.model, dataset.n_features, dataset.class_names)
     atomic.write_csv(paths.reports / "history.csv", result.history)
@@ -158,7 +120,7 @@ def train(
 
 def _check_trainable(cfg: Config, dataset: data.Dataset) -> None:
     """Once, before any process starts or any run opens."""
-    from batchlab.strategy import check_supported
+    from batchlab.training.strategy import check_supported
 
     batch_fits(cfg.train.batch_size, dataset.train.y.shape[0], "train.batch_size")
     check_supported(cfg.train)
@@ -195,9 +157,9 @@ def train_run(
 ) -> Iterator[tracking.Tracker]:
     """The MLflow run of one training, params, datasets and strategy tags logged; a training resumed
     from its checkpoint continues the run of the killed one."""
-    from batchlab import resume
-    from batchlab.strategy import describe
-    from batchlab.train import fingerprint
+    from batchlab.training import resume
+    from batchlab.training.strategy import describe
+    from batchlab.training.train import fingerprint
 
     tc = cfg.train
     # what made it, then what it trained: `dvc-train-bs64-lr0.003-single-fp32`, `exp-<name>-train-...`
@@ -259,8 +221,8 @@ def evaluate(cfg: Config, paths: Paths = Paths()) -> dict[str, float]:
 def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
     import numpy as np
 
-    from batchlab import export as onnx
-    from batchlab import predict, quantize
+    from batchlab.inference import export as onnx
+    from batchlab.inference import predict, quantize
     from batchlab.model import load_model
     from batchlab.tracking import digests, pyfunc
 
@@ -309,10 +271,3 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
         digests.record(tracker)  # every model of the run, train's included: `batchlab verify` checks them
     log.info("export: %s, max |onnx - torch| = %.2e", paths.onnx, export_report["max_abs_diff"])
     return export_report
-
-
-def sweep(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
-    """The batch-size study: every sweep.batch_sizes x seeds experiment, then the trade-off report."""
-    from batchlab import sweep as study  # scikit-learn and matplotlib: imported by this stage only
-
-    return study.run_sweep(cfg, paths)

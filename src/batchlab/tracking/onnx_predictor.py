@@ -4,7 +4,7 @@ one probability per class out (`mlflow models serve`, `mlflow.pyfunc.load_model`
 MLflow's ONNX flavor returns the (N, classes) logits flattened into one column and needs scaled
 inputs; this model applies the train split's scaler and a softmax. It is logged as code (MLflow's
 models-from-code): this file is copied into the model and run wherever it is served, so it imports
-numpy, pandas, onnxruntime and mlflow only, never batchlab (batchlab/predict.py is its twin for files).
+numpy, pandas, onnxruntime and mlflow only, never batchlab (batchlab/inference/predict.py is its twin for files).
 
 Inference parameter `output`: "all" (default) or "class", the predicted column alone, which is what
 `mlflow.models.evaluate(model_type="classifier")` takes.
@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 from mlflow.pyfunc import PythonModel
 
-METADATA_KEY = "batchlab.preprocessing"  # batchlab.predict.METADATA_KEY: the ONNX file's metadata entry
+METADATA_KEY = "batchlab.preprocessing"  # batchlab.inference.predict.METADATA_KEY: the ONNX file's metadata entry
 
 
 class OnnxPredictor(PythonModel):

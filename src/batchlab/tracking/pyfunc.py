@@ -28,7 +28,7 @@ def log_predictor(tracker: Tracker, onnx_path: Path, example_rows: np.ndarray) -
     import mlflow
     from mlflow.models import infer_signature
 
-    from batchlab.predict import OnnxClassifier
+    from batchlab.inference.predict import OnnxClassifier
 
     model = OnnxClassifier(onnx_path)
     example = _frame(example_rows, model.prep.feature_names)

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchlab.checkpoint import Trainee
 from batchlab.config import TrainConfig
-from batchlab.train import make_optimizer, make_schedule
+from batchlab.training.checkpoint import Trainee
+from batchlab.training.train import make_optimizer, make_schedule
 
 State = dict[torch.Tensor, dict[str, Any]]
 

@@ -13,8 +13,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from batchlab import critical, memory
-from batchlab.verdict import Verdict, decide, mean_ci
+from batchlab.study import critical
+from batchlab.study.memory_fit import largest_batch_within
+from batchlab.study.verdict import Verdict, decide, mean_ci
 
 # per experiment, shown per batch size as a mean with its 95% CI, in the table's order
 FIGURES = (
@@ -157,5 +158,5 @@ def analyse(
     budget_batch = None
     if memory_budget_mb is not None:
         points = [(row["batch_size"], row["step_memory_mib_mean"]) for row in rows]
-        budget_batch = memory.largest_batch_within(memory_budget_mb, points)
+        budget_batch = largest_batch_within(memory_budget_mb, points)
     return Study(kept, rows, lr_choice, target, rule, fit, b_simple, verdict, n_test, budget_batch)

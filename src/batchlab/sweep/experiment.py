@@ -1,13 +1,13 @@
-"""Batch-size experiments: the same model, data, initial weights and epochs at every batch size.
+"""One batch-size experiment: the same model, data, initial weights and epochs at every batch size.
 
-Each experiment is one MLflow child run under one parent run per sweep. Finished experiments
-leave a result.json, so an interrupted sweep resumes without redoing them, and a finished one
-reruns as a no-op. One sweep at a time per folder: a second one is refused (SweepBusy).
+An experiment is one MLflow child run under the sweep's parent run and one folder
+(sweep/experiments/<name>/) with its model, history and result.json. Its key (`fingerprint`:
+params, data and code) tags the run, and the run stores the result row before it ends FINISHED,
+so a finished experiment is never trained twice: not on a resume, not when Dask runs its task again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -15,38 +15,24 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
-from batchlab import (
-    atomic,
-    data,
-    evaluate,
-    executors,
-    launch,
-    probes,
-    report,
-    seed_group,
-    stages,
-    study,
-    sweep_state,
-    tracking,
-)
+from batchlab import atomic, data, evaluate, stages
 from batchlab.config import Config, parse_config
-from batchlab.sweep_lock import exclusive
-from batchlab.sweep_state import Sweep
-from batchlab.tracking import children
-from batchlab.train import steps_per_epoch
+from batchlab.seeds.vectorized import trains_together
+from batchlab.sweep import probes
+from batchlab.tracking import Tracker, children
+from batchlab.training import launch
+from batchlab.training.train import steps_per_epoch
 from batchlab.validate import batches_fit
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -102,7 +88,7 @@ def experiment_config(cfg: Config, exp: Experiment) -> Config:
 def code_hash() -> str:
     """The package's source: a result measured by other code is not this code's result (a resume
     after an edit re-measures, as `dvc repro` expects when it reruns the stage for the edit)."""
-    package = Path(__file__).parent
+    package = Path(__file__).parents[1]  # batchlab/, every subpackage included
     digest = hashlib.sha256()
     for source in sorted(package.rglob("*.py")):
         digest.update(source.relative_to(package).as_posix().encode() + b"\0" + source.read_bytes())
@@ -140,6 +126,8 @@ def experiment_paths(paths: stages.Paths, exp: Experiment) -> stages.Paths:
 # the experiment's fingerprint on its child run, and the result row the run stores before it ends
 # FINISHED: a rerun of a finished experiment (Dask runs a task at least once) returns that row
 KEY_TAG = "sweep.key"
+
+
 RESULT_ARTIFACT = "sweep/result.json"
 
 
@@ -161,7 +149,7 @@ def stored_result(
     they ran, are ended KILLED, so that exactly one FINISHED run will hold it."""
     key = fingerprint(cfg, exp, data_hash)
     path = experiment_paths(paths, exp).outputs / "result.json"
-    found = _finished(path, key)
+    found = read_result(path, key)
     if found is not None:
         return found
     found = children.finished_result(cfg.tracking, parent_run_id, KEY_TAG, key, RESULT_ARTIFACT)
@@ -179,7 +167,7 @@ def keep(paths: stages.Paths, exp: Experiment, result: dict[str, Any]) -> dict[s
     return result
 
 
-def _train_and_score(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
+def train_and_score(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
     """Train and test one experiment in its own folder, unless it finished already; returns its result row."""
     started = time.perf_counter()
     dataset = data.load(paths.data)
@@ -202,7 +190,7 @@ def score(
     info: dict[str, Any],
     dataset: data.Dataset,
     seconds: float,
-    tracker: tracking.Tracker,
+    tracker: Tracker,
 ) -> dict[str, Any]:
     """Test a trained experiment and record its summary and result row in its run, still open;
     returns the row (`keep` writes it once the run has ended).
@@ -216,7 +204,7 @@ def score(
     train_seconds = sum(h["epoch_seconds"] for h in history)
     # read before the probes, which reset the process's RSS peak
     peak_rss = max(h["peak_memory_mb"] for h in history)
-    if seed_group.trains_together(cfg):  # a seed's share of its group's time: see probes.solo_speed
+    if trains_together(cfg):  # a seed's share of its group's time: see probes.solo_speed
         speed = probes.solo_speed(exp_cfg, dataset)
     else:  # medians: one epoch slowed by a busy machine should not move the comparison
         speed = {k: statistics.median(h[k] for h in history) for k in ("samples_per_s", "epoch_seconds")}
@@ -245,7 +233,8 @@ def score(
     return result
 
 
-def _finished(path: Path, expected: str) -> dict[str, Any] | None:
+def read_result(path: Path, expected: str) -> dict[str, Any] | None:
+    """The result.json at `path` when it is the result of the experiment keyed `expected`."""
     if not path.is_file():
         return None
     result: dict[str, Any] = json.loads(path.read_text())
@@ -258,118 +247,15 @@ def _isolated(
     # this process, and ranks it starts, use its share of the cores: `threads` of them at most
     launch.limit_cores(threads)
     torch.set_num_threads(launch.sweep_threads(cfg, data.shape(paths.data)))
-    return _train_and_score(cfg, exp, paths, parent_run_id)
+    return train_and_score(cfg, exp, paths, parent_run_id)
 
 
 def run_experiment(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
     """One experiment: in this process, or in a fresh one with its share of the cores when
     sweep.parallel experiments run at once."""
     if cfg.sweep.parallel == 1:
-        return _train_and_score(cfg, exp, paths, parent_run_id)
+        return train_and_score(cfg, exp, paths, parent_run_id)
     threads = launch.threads_per_process(cfg.sweep.parallel)
     # spawn: torch and fork do not mix; a fresh process also gives an honest peak-memory figure
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
         return pool.submit(_isolated, cfg, exp, paths, parent_run_id, threads).result()
-
-
-def lanes(experiments: list[T], parallel: int) -> list[list[T]]:
-    """Split experiments (or groups of them) into `parallel` queues that run side by side, each one at a time."""
-    return [experiments[i::parallel] for i in range(min(parallel, len(experiments)))]
-
-
-def prepare(cfg: Config, paths: stages.Paths) -> Sweep:
-    """Plan the experiments and find those an earlier sweep already finished. Call it holding `exclusive`."""
-    dataset = data.load(paths.data)
-    experiments = plan(cfg, dataset.train.y.shape[0])
-    data_hash = dataset.content_hash()
-    key = cfg.section_hash("model", "train", "sweep") + f"-{data_hash}-{code_hash()}"
-    state = sweep_state.load(paths, key)
-    finished = {}
-    for exp in experiments:
-        result_path = paths.outputs / "sweep" / "experiments" / exp.name / "result.json"
-        done = _finished(result_path, fingerprint(cfg, exp, data_hash))
-        if done:
-            finished[exp.name] = done
-    earlier = sweep_state.earlier_wall_seconds(state, finished)
-    sweep = Sweep(experiments, finished, key, state.get("parent_run_id"), earlier, state.get("reported"))
-    if sweep.up_to_date:
-        log.info(
-            "sweep: all %d experiments already finished; nothing to do (delete %s/ to re-measure)",
-            len(experiments),
-            paths.outputs / "sweep",
-        )
-    elif finished:
-        log.info("sweep: resuming, %d of %d experiments already finished", len(finished), len(experiments))
-    return sweep
-
-
-@contextlib.contextmanager
-def parent_run(cfg: Config, paths: stages.Paths, sweep: Sweep) -> Iterator[tracking.Tracker]:
-    """The sweep's parent MLflow run, re-opened when resuming; none when the sweep is up to date
-    (nothing new to log)."""
-    if sweep.up_to_date:
-        yield tracking.Tracker()
-        return
-    name = f"sweep-{'-'.join(map(str, cfg.sweep.batch_sizes))}"
-    resuming = sweep.parent_run_id is not None
-    with tracking.run(cfg.tracking, run_id=sweep.parent_run_id, name=None if resuming else name) as parent:
-        sweep.parent_run_id = parent.run_id
-        sweep_state.save(paths, sweep, sweep.wall_seconds, attempt_started_at=time.time(), reported=None)
-        if not resuming:
-            parent.log_params({**cfg.flat(), "sweep.n_experiments": len(sweep.experiments)})
-            parent.set_tags({"sweep": "parent", **tracking.environment_tags()})
-        try:
-            yield parent
-        except BaseException:
-            # failed, Ctrl-C or SIGTERM: a resume adds to this attempt's time
-            sweep_state.save(paths, sweep, sweep.elapsed(), attempt_started_at=None, reported=None)
-            raise
-
-
-def finish(
-    cfg: Config, paths: stages.Paths, sweep: Sweep, results: dict[str, dict[str, Any]], parent: tracking.Tracker
-) -> dict[str, Any]:
-    """Analyse every experiment's result, write the report and log it on the parent run.
-
-    The report depends on the results and the stored wall time only, so an up-to-date sweep
-    rewrites the same bytes (`dvc repro` deletes reports/sweep before the stage runs)."""
-    ordered = [{**sweep.finished, **results}[e.name] for e in sweep.experiments]
-    wall = sweep.wall_seconds if sweep.up_to_date else sweep.elapsed()
-    folder = paths.reports / "sweep"
-    n_test = int(data.load(paths.data).test.y.shape[0])
-    result = study.analyse(ordered, n_test, cfg.sweep.target_val_loss, cfg.sweep.memory_budget_mb)
-    context = {
-        "lr_scaling": cfg.sweep.lr_scaling,
-        "base_batch": cfg.train.batch_size,
-        "optimizer": cfg.train.optimizer,
-        "epochs": cfg.sweep.epochs or cfg.train.epochs,
-        "memory_budget_mb": cfg.sweep.memory_budget_mb,
-    }
-    markdown = report.write(result, folder, context)
-    figures = {
-        **result.figures(),
-        "sweep_wall_seconds": wall,
-        "sum_train_seconds": sum(r["train_seconds"] for r in ordered),
-    }
-    atomic.write_json(folder / "sweep.json", figures)  # DVC metrics: figures only (the table is summary.md)
-    summary = {**figures, "markdown": markdown}
-    if sweep.up_to_date:
-        return summary
-    parent.log_metrics({k: float(v) for k, v in figures.items()})
-    parent.log_table(result.rows, "sweep/summary_table.json")
-    parent.set_tags({tracking.NOTE: markdown})
-    for file in sorted(folder.iterdir()):
-        parent.log_artifact(file, "sweep")
-    sweep_state.save(paths, sweep, wall, attempt_started_at=None, reported=sweep_state.digest(ordered))
-    return summary
-
-
-def run_sweep(cfg: Config, paths: stages.Paths) -> dict[str, Any]:
-    """Run every experiment not already finished, then write the trade-off report."""
-    executor = executors.for_sweep(cfg)  # its checks fail before anything runs
-    with exclusive(paths):
-        sweep = prepare(cfg, paths)
-        with parent_run(cfg, paths, sweep) as parent:
-            results = executor.run(cfg, sweep.todo, paths, parent.run_id)
-            summary = finish(cfg, paths, sweep, results, parent)
-    return summary

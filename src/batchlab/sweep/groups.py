@@ -1,6 +1,6 @@
-"""The sweep's seeds of one batch size and lr multiplier, trained together (vectorized.py).
+"""The sweep's seeds of one batch size and lr multiplier, trained together (seeds/vectorized.py).
 
-Each seed still gets what sweep._train_and_score gives an experiment trained alone: its MLflow
+Each seed still gets what experiment.train_and_score gives an experiment trained alone: its MLflow
 child run with the same params, tags, epoch metrics (at their epoch steps) and logged model,
 its folder with model.pt, history.csv, val_curve.csv, train.json and result.json. The child
 runs are opened once the group has trained: MLflow keeps one active run per thread, so sibling
@@ -16,23 +16,21 @@ import logging
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import torch
 
-from batchlab import data, launch, stages
+from batchlab import data, stages
 from batchlab.config import Config
-from batchlab.strategy import seeds_train_apart
-
-if TYPE_CHECKING:
-    from batchlab.sweep import Experiment
+from batchlab.seeds import vectorized
+from batchlab.seeds.vectorized import trains_together
+from batchlab.sweep import experiment
+from batchlab.sweep.experiment import Experiment
+from batchlab.training import launch
+from batchlab.training.strategy import seeds_train_apart, session
 
 log = logging.getLogger(__name__)
-
-
-def trains_together(cfg: Config) -> bool:
-    """Whether this sweep trains the seeds of a batch size together."""
-    return cfg.sweep.vectorize_seeds and len(cfg.sweep.seeds) > 1 and seeds_train_apart(cfg.train) is None
+T = TypeVar("T")
 
 
 def groups(cfg: Config, todo: list[Experiment]) -> list[list[Experiment]]:
@@ -51,11 +49,9 @@ def groups(cfg: Config, todo: list[Experiment]) -> list[list[Experiment]]:
 
 def run_group(cfg: Config, exps: list[Experiment], paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
     """Every experiment's result row, by name: in this process, or in a fresh one with its share of
-    the cores when sweep.parallel groups run at once (as sweep.run_experiment does for one)."""
-    from batchlab import sweep  # sweep calls this module: imported when it runs
-
+    the cores when sweep.parallel groups run at once (as experiment.run_experiment does for one)."""
     if len(exps) == 1:
-        return {exps[0].name: sweep.run_experiment(cfg, exps[0], paths, parent_run_id)}
+        return {exps[0].name: experiment.run_experiment(cfg, exps[0], paths, parent_run_id)}
     if cfg.sweep.parallel == 1:
         return train_group(cfg, exps, paths, parent_run_id)
     threads = launch.threads_per_process(cfg.sweep.parallel)
@@ -73,23 +69,21 @@ def _isolated(
 
 def train_group(cfg: Config, exps: list[Experiment], paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
     """Seeds that resume from the same epoch (0: a fresh start) train together; one alone trains as before."""
-    from batchlab import sweep, vectorized
-
     dataset = data.load(paths.data)
     data_hash = dataset.content_hash()
     results: dict[str, Any] = {}
     for exp in exps:  # finished already: a task Dask runs again, a resumed sweep
-        done = sweep.stored_result(cfg, exp, paths, parent_run_id, data_hash)
+        done = experiment.stored_result(cfg, exp, paths, parent_run_id, data_hash)
         if done is not None:
             results[exp.name] = done
     exps = [exp for exp in exps if exp.name not in results]
-    cfgs = [sweep.experiment_config(cfg, exp) for exp in exps]
-    checkpoints = [sweep.experiment_paths(paths, exp).checkpoint for exp in exps]
+    cfgs = [experiment.experiment_config(cfg, exp) for exp in exps]
+    checkpoints = [experiment.experiment_paths(paths, exp).checkpoint for exp in exps]
     epochs = vectorized.epochs_to_resume(cfgs, dataset, checkpoints)
     for epoch in sorted(set(epochs)):
         part = [exp for exp, resumes in zip(exps, epochs, strict=True) if resumes == epoch]
         if len(part) == 1:
-            results[part[0].name] = sweep._train_and_score(cfg, part[0], paths, parent_run_id)
+            results[part[0].name] = experiment.train_and_score(cfg, part[0], paths, parent_run_id)
         else:
             results.update(_train_together(cfg, part, paths, parent_run_id, dataset))
     return results
@@ -98,12 +92,9 @@ def train_group(cfg: Config, exps: list[Experiment], paths: stages.Paths, parent
 def _train_together(
     cfg: Config, exps: list[Experiment], paths: stages.Paths, parent_run_id: str | None, dataset: data.Dataset
 ) -> dict[str, Any]:
-    from batchlab import sweep, vectorized
-    from batchlab.strategy import session
-
     started = time.perf_counter()
-    cfgs = [sweep.experiment_config(cfg, exp) for exp in exps]
-    folders = [sweep.experiment_paths(paths, exp) for exp in exps]
+    cfgs = [experiment.experiment_config(cfg, exp) for exp in exps]
+    folders = [experiment.experiment_paths(paths, exp) for exp in exps]
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     log.info("sweep: %s train together", ", ".join(exp.name for exp in exps))
@@ -114,8 +105,8 @@ def _train_together(
     data_hash = dataset.content_hash()
     for exp, exp_cfg, folder, result in zip(exps, cfgs, folders, trained, strict=True):
         begun = time.perf_counter()
-        key = sweep.fingerprint(cfg, exp, data_hash)
-        tags = {**sweep.experiment_tags(exp, key), "sweep.trained_with_seeds": str(len(exps))}
+        key = experiment.fingerprint(cfg, exp, data_hash)
+        tags = {**experiment.experiment_tags(exp, key), "sweep.trained_with_seeds": str(len(exps))}
         with stages.train_run(exp_cfg, folder, dataset, parent_run_id, f"sweep-{exp.name}", tags) as tracker:
             for row in result.history:  # every epoch, a resumed group's earlier ones too
                 tracker.log_epoch(row, step=int(row["epoch"]))
@@ -123,6 +114,11 @@ def _train_together(
             stages.write_trained(exp_cfg, folder, result, dataset)
             info = stages.log_trained(tracker, folder, dataset)
             seconds = share + time.perf_counter() - begun
-            scored = sweep.score(cfg, exp, paths, info, dataset, seconds, tracker)
-        results[exp.name] = sweep.keep(paths, exp, scored)
+            scored = experiment.score(cfg, exp, paths, info, dataset, seconds, tracker)
+        results[exp.name] = experiment.keep(paths, exp, scored)
     return results
+
+
+def lanes(experiments: list[T], parallel: int) -> list[list[T]]:
+    """Split experiments (or groups of them) into `parallel` queues that run side by side, each one at a time."""
+    return [experiments[i::parallel] for i in range(min(parallel, len(experiments)))]

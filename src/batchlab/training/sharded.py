@@ -37,8 +37,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
-from batchlab.checkpoint import SHARDED_META, Trainee, TrainState, latest_epoch
 from batchlab.model import save_torch
+from batchlab.training.checkpoint import SHARDED_META, Trainee, TrainState, latest_epoch
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import logging
 from pathlib import Path
 
 from batchlab import atomic
-from batchlab.checkpoint import read_summary
 from batchlab.tracking import Resumable
+from batchlab.training.checkpoint import read_summary
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """Where a sweep's experiments run, decided once per sweep (`sweep.executor`).
 
-    local  `sweep.parallel` lanes on this machine, each experiment in turn (sweep.run_experiment)
-    dask   one Prefect task run per experiment on a dask.distributed cluster (sweep_dask.py)
+    local  `sweep.parallel` lanes on this machine, each experiment in turn (experiment.run_experiment)
+    dask   one Prefect task run per experiment on a dask.distributed cluster (cluster.py)
 
 `for_sweep` checks, before anything runs, what the executor needs; `run` takes the experiments
-still to do and returns their result rows by name, as sweep.finish expects them.
+still to do and returns their result rows by name, as run.finish expects them.
 """
 
 from __future__ import annotations
@@ -12,18 +12,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from batchlab import seed_group
 from batchlab.config import Config
-from batchlab.stages import Paths
-
-if TYPE_CHECKING:
-    from batchlab.sweep import Experiment
+from batchlab.paths import Paths
+from batchlab.sweep import groups
+from batchlab.sweep.experiment import Experiment
 
 Results = dict[str, dict[str, Any]]
 # runs the experiments still to do and returns their result rows by name
-Runner = Callable[[Config, list["Experiment"], Paths, str | None], Results]
+Runner = Callable[[Config, list[Experiment], Paths, str | None], Results]
 
 
 @dataclass(frozen=True)
@@ -35,9 +33,9 @@ class Executor:
 def run_local(cfg: Config, todo: list[Experiment], paths: Paths, parent_run_id: str | None) -> Results:
     """`sweep.parallel` groups at once on this machine (each in its own process when above one)."""
     with ThreadPoolExecutor(max_workers=cfg.sweep.parallel) as pool:
-        # the seeds of one batch size and lr train together (seed_group.py); alone where they cannot
-        groups = seed_group.groups(cfg, todo)
-        futures = [pool.submit(seed_group.run_group, cfg, group, paths, parent_run_id) for group in groups]
+        # the seeds of one batch size and lr train together (groups.py); alone where they cannot
+        together = groups.groups(cfg, todo)
+        futures = [pool.submit(groups.run_group, cfg, group, paths, parent_run_id) for group in together]
         return {name: result for future in futures for name, result in future.result().items()}
 
 
@@ -45,8 +43,8 @@ def for_sweep(cfg: Config, local: Runner = run_local) -> Executor:
     """The executor sweep.executor names, once its preconditions hold (each failure is one line).
     `local`: how this caller runs experiments here (the sweep flow: as Prefect tasks in lanes)."""
     if cfg.sweep.executor == "dask":
-        from batchlab import sweep_dask  # prefect and distributed: imported only by a Dask sweep
+        from batchlab.sweep import cluster
 
-        sweep_dask.preflight(cfg)
-        return Executor("dask", sweep_dask.run)
+        cluster.preflight(cfg)
+        return Executor("dask", cluster.run)
     return Executor("local", local)

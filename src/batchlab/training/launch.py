@@ -168,7 +168,7 @@ def use_threads(threads: int) -> None:
 
 
 def worker_env(cfg: TrainConfig, run_id: str | None) -> dict[str, str]:
-    from batchlab import loopback  # torch.distributed: imported where ranks start, not for `--help`
+    from batchlab.training import loopback
 
     env = dict(os.environ)
     # processes fight over cores unless each is told its share
@@ -192,7 +192,7 @@ def worker_env(cfg: TrainConfig, run_id: str | None) -> dict[str, str]:
 
 def launch_command(cfg: TrainConfig, stage_args: list[str]) -> list[str]:
     """torchrun running `batchlab <stage_args>`; on one machine, the variant whose stores listen on loopback."""
-    launcher = "batchlab.loopback" if cfg.nnodes == 1 else "torch.distributed.run"
+    launcher = "batchlab.training.loopback" if cfg.nnodes == 1 else "torch.distributed.run"
     return [sys.executable, "-m", launcher, *torchrun_args(cfg), "-m", "batchlab.cli", *stage_args]
 
 

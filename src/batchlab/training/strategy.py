@@ -26,12 +26,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import get_total_norm
 
-from batchlab.checkpoint import Checkpoint, sharded_folder
 from batchlab.config import ConfigError, TrainConfig
-from batchlab.gns import CommHookProbe, LossFn, MicroBatchProbe, NoiseScale, PerExampleProbe
+from batchlab.training.checkpoint import Checkpoint, sharded_folder
+from batchlab.training.gns import CommHookProbe, LossFn, MicroBatchProbe, NoiseScale, PerExampleProbe
 
 if TYPE_CHECKING:
-    from batchlab.sharded import ShardedCheckpoint
+    from batchlab.training.sharded import ShardedCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def describe(cfg: TrainConfig) -> dict[str, str]:
 
 def seeds_train_apart(cfg: TrainConfig) -> str | None:
     """Why the seeds of one sweep group cannot train together in one vectorized model
-    (vectorized.py), or None when they can: one process, fp32, no accumulation, on the CPU."""
+    (seeds/vectorized.py), or None when they can: one process, fp32, no accumulation, on the CPU."""
     if cfg.strategy != "single":  # fsdp on one process still keeps sharded (DCP) checkpoints
         return f"train.strategy {cfg.strategy} with {cfg.world_size()} ranks trains one model per process group"
     if cfg.precision != "fp32":
@@ -104,7 +104,7 @@ class Strategy:
     def __post_init__(self) -> None:
         fp16 = self.precision == "fp16"
         if self.fsdp and fp16:
-            from batchlab.sharded import FusedShardedGradScaler  # FSDP's modules: loaded when used
+            from batchlab.training.sharded import FusedShardedGradScaler  # FSDP's modules: loaded when used
 
             # every rank must skip the same steps: found_inf of the local shards is all-reduced
             self.scaler = FusedShardedGradScaler(self.device.type)
@@ -124,7 +124,7 @@ class Strategy:
                 torch.cuda.set_device(local_rank)
                 device = torch.device("cuda", local_rank)
             if not dist.is_initialized():
-                from batchlab import loopback  # torchrun's modules: ~50 ms, paid by ranks only
+                from batchlab.training import loopback
 
                 timeout = dt.timedelta(seconds=cfg.dist_timeout_s)
                 store = None  # torch's env:// rendezvous: a store on every interface, other machines reach it
@@ -167,7 +167,7 @@ class Strategy:
         optimizer must come after), otherwise `model` itself."""
         if not self.fsdp:
             return model
-        from batchlab import sharded
+        from batchlab.training import sharded
 
         self._skeleton = sharded.skeleton(model)
         return sharded.shard(model, self.device, self.precision, self.world_size)
@@ -177,7 +177,7 @@ class Strategy:
         rank must call this); the other ranks get a model on the meta device."""
         if not self.fsdp or self._skeleton is None:
             return model
-        from batchlab import sharded
+        from batchlab.training import sharded
 
         return sharded.gather_full(model, self._skeleton, self.is_main)
 
@@ -186,7 +186,7 @@ class Strategy:
         folder beside it (train.pt -> train.dcp) that every rank writes its shards into."""
         if not self.sharded:
             return Checkpoint(path, fingerprint, self.is_main)
-        from batchlab import sharded
+        from batchlab.training import sharded
 
         folder = sharded_folder(path) if path is not None else None
         return sharded.ShardedCheckpoint(folder, fingerprint, self.rank, self.world_size)
@@ -247,7 +247,7 @@ class Strategy:
             if isinstance(net, DistributedDataParallel):
                 net.require_backward_grad_sync = i == len(chunks) - 1  # what no_sync() sets
             elif self.fsdp:
-                from batchlab import sharded
+                from batchlab.training import sharded
 
                 # FSDP: gradients accumulate unsharded locally; one reduce-scatter in the last backward
                 sharded.set_gradient_sync(net, i == len(chunks) - 1)
@@ -269,7 +269,7 @@ class Strategy:
         if self._flat_grads is not None:
             norm = torch.linalg.vector_norm(self._flat_grads)
         elif self.fsdp:
-            from batchlab import sharded
+            from batchlab.training import sharded
 
             norm = sharded.grad_norm(self._params)  # the same global norm on every rank
         else:

@@ -3,7 +3,7 @@
 The state names the sweep it belongs to (its settings, data and code), its parent MLflow run,
 the wall time of earlier attempts and a digest of the results last reported, so an interrupted
 sweep resumes under the same parent run, counts its whole wall time, and an up-to-date one
-reruns as a no-op. The experiments' own results stay in their result.json (sweep.py).
+reruns as a no-op. The experiments' own results stay in their result.json (sweep/experiment.py).
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from batchlab import atomic, stages
-
-if TYPE_CHECKING:  # sweep.py imports this module
-    from batchlab.sweep import Experiment
+from batchlab import atomic
+from batchlab.paths import Paths
+from batchlab.sweep.experiment import Experiment
 
 
 @dataclass
@@ -50,12 +49,12 @@ def digest(results: list[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(ordered, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def state_path(paths: stages.Paths) -> Path:
+def state_path(paths: Paths) -> Path:
     return paths.outputs / "sweep" / "state.json"
 
 
 def save(
-    paths: stages.Paths, sweep: Sweep, wall_seconds: float, attempt_started_at: float | None, reported: str | None
+    paths: Paths, sweep: Sweep, wall_seconds: float, attempt_started_at: float | None, reported: str | None
 ) -> None:
     """`attempt_started_at` is set while an attempt runs: if it is still set when the next one
     starts, the last one was killed (SIGKILL) before it could add its time to `wall_seconds`."""
@@ -78,7 +77,7 @@ def earlier_wall_seconds(state: dict[str, Any], finished: dict[str, dict[str, An
     return wall
 
 
-def load(paths: stages.Paths, key: str) -> dict[str, Any]:
+def load(paths: Paths, key: str) -> dict[str, Any]:
     """The state an earlier attempt of sweep `key` left; empty when none, or another sweep's (its
     parent run and wall time are not this one's)."""
     path = state_path(paths)

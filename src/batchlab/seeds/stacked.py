@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import stack_module_state
 
-from batchlab.checkpoint import Checkpoint, Trainee, TrainState
 from batchlab.config import Config
-from batchlab.gns import NoiseScale, PerExampleProbe
-from batchlab.strategy import Strategy
 from batchlab.tracking import Tracker
+from batchlab.training.checkpoint import Checkpoint, Trainee, TrainState
+from batchlab.training.gns import NoiseScale, PerExampleProbe
+from batchlab.training.strategy import Strategy
 
 
 @dataclass

@@ -6,10 +6,11 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from batchlab import atomic, critical
+from batchlab import atomic
+from batchlab.study import critical
 
 if TYPE_CHECKING:
-    from batchlab.study import Study
+    from batchlab.study.analysis import Study
 
 
 def _cell(row: dict[str, Any], key: str, digits: int) -> str:
@@ -123,7 +124,7 @@ def markdown(study: Study, context: dict[str, Any]) -> str:
 
 def write(study: Study, folder: Path, context: dict[str, Any]) -> str:
     """Write summary.csv, summary.md, steps_vs_examples.csv, curves.csv and the PNGs; return the Markdown."""
-    from batchlab import plots
+    from batchlab.study import plots
 
     text = markdown(study, context)
     atomic.write_csv(folder / "summary.csv", study.rows)

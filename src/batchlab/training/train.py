@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchlab import collector
-from batchlab.checkpoint import Trainee, TrainState
 from batchlab.config import Config, TrainConfig
 from batchlab.data import Dataset, Split
-from batchlab.gns import NoiseScale, Trajectory
 from batchlab.model import build_model
-from batchlab.strategy import Strategy
 from batchlab.tracking import Tracker
+from batchlab.training.checkpoint import Trainee, TrainState
+from batchlab.training.gns import NoiseScale, Trajectory
+from batchlab.training.strategy import Strategy
 from batchlab.validate import batch_fits
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 torch's TCPStore server listens on every interface and has no bind-address option, so a
 one-machine run would open its stores to the network. Its constructor does take
 `master_listen_fd`, a socket that is already listening: we bind that socket to 127.0.0.1.
-`python -m batchlab.loopback <torchrun args>` is torchrun with its agent's stores on
+`python -m batchlab.training.loopback <torchrun args>` is torchrun with its agent's stores on
 loopback; the ranks build their process group's store with `rank_store`, and gloo's own
 sockets follow GLOO_SOCKET_IFNAME (`loopback_interface`).
 """

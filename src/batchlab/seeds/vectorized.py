@@ -1,7 +1,7 @@
 """Seeds trained together: fit_seeds(...) -> one TrainResult per seed, each what `fit` gives a separate run.
 
 The seeds' models are stacked into one set of [S, ...] tensors and trained by one batched
-forward and backward per step (stacked.py) and one optimizer step (seed_optimizer.py). Each
+forward and backward per step (stacked.py) and one optimizer step (optimizer.py). Each
 seed keeps everything `fit` gives a separate run: its data order and initial weights
 (train.seed), its dropout masks (its own generator, seeded and drawn as `fit` draws them from
 the global RNG), its gradient norm and non-finite skip, noise scale, val curve, early stopping,
@@ -23,15 +23,15 @@ import torch
 import torch.nn.functional as F
 
 from batchlab import collector
-from batchlab.checkpoint import Checkpoint, TrainState
 from batchlab.config import Config
 from batchlab.data import Dataset
-from batchlab.gns import NoiseScale
-from batchlab.seed_optimizer import SeedOptimizer
-from batchlab.stacked import Seed, StackedModels
-from batchlab.strategy import Strategy, seeds_train_apart
+from batchlab.seeds.optimizer import SeedOptimizer
+from batchlab.seeds.stacked import Seed, StackedModels
 from batchlab.tracking import Tracker
-from batchlab.train import (
+from batchlab.training.checkpoint import Checkpoint, TrainState
+from batchlab.training.gns import NoiseScale
+from batchlab.training.strategy import Strategy, seeds_train_apart
+from batchlab.training.train import (
     NonFiniteError,
     TrainResult,
     check_finite,
@@ -233,3 +233,8 @@ def _result(seed: Seed, dataset: Dataset, strategy: Strategy) -> TrainResult:
 def epochs_to_resume(cfgs: list[Config], dataset: Dataset, checkpoints: list[Path]) -> list[int]:
     """Each seed's resumable epoch, so a caller can group seeds that start from the same one."""
     return [resumable_epoch(path, fingerprint(cfg, dataset)) for cfg, path in zip(cfgs, checkpoints, strict=True)]
+
+
+def trains_together(cfg: Config) -> bool:
+    """Whether this sweep trains the seeds of a batch size together."""
+    return cfg.sweep.vectorize_seeds and len(cfg.sweep.seeds) > 1 and seeds_train_apart(cfg.train) is None

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from batchlab import atomic, critical
-from batchlab.study import Study
+from batchlab import atomic
+from batchlab.study import critical
+from batchlab.study.analysis import Study
 
 
 def _pyplot() -> Any:

@@ -3,9 +3,10 @@ training step, and the speed of one training alone."""
 
 from __future__ import annotations
 
-from batchlab import data, memory
+from batchlab import data
 from batchlab.config import Config, parse_config
-from batchlab.strategy import Strategy, resolve_device
+from batchlab.training import memory
+from batchlab.training.strategy import Strategy, resolve_device
 
 # The probe's epochs; it reports the fastest (a busy machine only ever slows an epoch down). Measured
 # here, 4 reruns each: the median of 3 epochs swung ±15% (batch 64: 64k-86k samples/s) and flipped
@@ -33,7 +34,7 @@ def solo_speed(cfg: Config, dataset: data.Dataset) -> dict[str, float]:
     epoch of a SPEED_EPOCHS-epoch fit() in this process, once per batch size and lr. Seeds trained
     together share their wall time, and what they save grows as the batch shrinks (5 seeds cost 1.4x
     one at batch 16, 1.75x at 64), so a seed's share would flatter small batches against large ones."""
-    from batchlab.train import fit
+    from batchlab.training.train import fit
 
     raw = cfg.model_dump()
     raw["train"].update(seed=0, epochs=SPEED_EPOCHS, early_stopping_patience=0)

@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from batchlab.stages import Paths
+from batchlab.paths import Paths
 
 
 class SweepBusy(RuntimeError):

@@ -151,7 +151,7 @@ def _same(a: float, b: float) -> bool:
 def compare(record: RunRecord, tree: Path, weights: dict[str, Any] | None) -> list[Row]:
     import torch
 
-    from batchlab.verify import dir_hash, md5
+    from batchlab.audit.verify import dir_hash, md5
 
     rows = []
     data = tree / "data" / "prepared"

@@ -1,7 +1,7 @@
 """The sweep on a dask.distributed cluster: one Prefect task run per experiment on a DaskTaskRunner
-(per seed group where the local executor trains a batch size's seeds together: seed_group.py).
+(per seed group where the local executor trains a batch size's seeds together: groups.py).
 
-Each task runs the very function the local executor runs (seed_group.train_group), so results,
+Each task runs the very function the local executor runs (groups.train_group), so results,
 MLflow child runs, resume and the report are the same. Before training, a task checks that its
 worker runs the same batchlab (version and source) on the same data (content hash), fetching the
 data with `dvc pull` when the worker's checkout has none. A worker killed mid-experiment: the
@@ -25,8 +25,11 @@ from prefect.cache_policies import NONE
 from prefect.futures import as_completed
 
 import batchlab
-from batchlab import atomic, data, launch, orchestration, seed_group, stages, sweep, tracking
+from batchlab import atomic, data, orchestration, stages, tracking
 from batchlab.config import Config, ConfigError
+from batchlab.sweep import groups
+from batchlab.sweep.experiment import Experiment, code_hash
+from batchlab.training import launch
 
 # the worker's checkout of the repo, when it is not at the path the sweep was started from
 WORKER_ROOT_ENV = "BATCHLAB_WORKER_ROOT"
@@ -81,7 +84,7 @@ def _check_scheduler(address: str) -> None:
 
 
 def expected(paths: stages.Paths) -> Expected:
-    return Expected(batchlab.__version__, sweep.code_hash(), data.load(paths.data).content_hash())
+    return Expected(batchlab.__version__, code_hash(), data.load(paths.data).content_hash())
 
 
 def worker_paths(root: str, outputs: str) -> stages.Paths:
@@ -136,7 +139,7 @@ def _worker_threads() -> int:
 )
 def experiment(
     cfg: Config,
-    group: list[sweep.Experiment],
+    group: list[Experiment],
     name: str,
     root: str,
     outputs: str,
@@ -148,18 +151,18 @@ def experiment(
     check_worker(want, paths)
     launch.limit_cores(_worker_threads())
     launch.use_threads(launch.sweep_threads(cfg, data.shape(paths.data)))
-    return seed_group.train_group(cfg, group, paths, parent_run_id)
+    return groups.train_group(cfg, group, paths, parent_run_id)
 
 
 @flow(name="batchlab-sweep-dask", validate_parameters=False)
 def on_cluster(
-    cfg: Config, todo: list[sweep.Experiment], paths: stages.Paths, parent_run_id: str | None, want: Expected
+    cfg: Config, todo: list[Experiment], paths: stages.Paths, parent_run_id: str | None, want: Expected
 ) -> dict[str, dict[str, Any]]:
     """Submit every task at once; the scheduler places them on free worker threads. A task is one
     experiment, or the seeds of one batch size trained together, as the local executor groups them."""
     root, outputs = str(paths.root.resolve()), os.path.relpath(paths.outputs, paths.root)
     futures = []
-    for group in seed_group.groups(cfg, todo):
+    for group in groups.groups(cfg, todo):
         name = "+".join(exp.name for exp in group)
         futures.append(experiment.submit(cfg, group, name, root, outputs, parent_run_id, want))
     results: dict[str, dict[str, Any]] = {}
@@ -172,7 +175,7 @@ def on_cluster(
 
 
 def run(
-    cfg: Config, todo: list[sweep.Experiment], paths: stages.Paths, parent_run_id: str | None
+    cfg: Config, todo: list[Experiment], paths: stages.Paths, parent_run_id: str | None
 ) -> dict[str, dict[str, Any]]:
     """The experiments still to do, one Prefect task run each on the cluster at sweep.dask_address."""
     from distributed.client import FutureCancelledError

@@ -218,13 +218,8 @@ def is_mlflow_uri(ref: str) -> bool:
     return ref.startswith(("models:/", "runs:/")) or "://" in ref
 
 
-def load(ref: str, tracking_uri: str | None = None) -> OnnxClassifier:
-    """An ONNX path, or an MLflow model URI (`models:/batchlab-mlp@champion`, `runs:/<id>/predictor`)."""
-    if is_mlflow_uri(ref):
-        from batchlab.tracking.pyfunc import onnx_file
-
-        with onnx_file(ref, tracking_uri) as path:  # the session holds the model once built
-            return OnnxClassifier(path)
+def load(ref: str) -> OnnxClassifier:
+    """The ONNX model at `ref` (the CLI fetches an MLflow model URI's file first: tracking.pyfunc.onnx_file)."""
     path = Path(ref)
     if not path.is_file():
         raise DataError(f"no model at {ref!r} (an ONNX file such as models/model.onnx, or an MLflow model URI)")

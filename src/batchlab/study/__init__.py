@@ -1,0 +1,9 @@
+"""The study's analysis of a sweep's result rows: no training, no sweep, no I/O but the report.
+
+analysis  lr per batch size, steps to target, the table rows, the headline figures
+critical  the critical batch size (the S/E hyperbola fit) and its interval
+verdict   which batch size, and why: 95% CIs paired by seed
+report    summary.md, summary.csv, curves.csv
+plots     the study's PNGs
+memory_fit  the largest batch within sweep.memory_budget_mb, from the measured step memory
+"""

@@ -1,0 +1,11 @@
+"""The batch-size sweep, from one experiment up to the whole study (imports point down this list).
+
+experiment  one experiment: its config, folder, key, training, scoring and result row
+probes      what an experiment measures besides training: solo speed, step memory
+state       a sweep's resume state (state.json)
+lock        one sweep at a time per folder
+groups      the seeds of a batch size trained together as one task; lanes
+cluster     the experiments as Prefect tasks on a Dask cluster
+executors   local or Dask, decided once per sweep
+run         the whole sweep: plan, resume, parent run, report
+"""

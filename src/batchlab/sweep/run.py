@@ -1,0 +1,121 @@
+"""The whole batch-size sweep: plan its experiments, find those already finished, run the rest on
+the executor sweep.executor names (local lanes or Dask), then analyse and report under one parent
+MLflow run. An interrupted sweep resumes without redoing finished experiments, and a finished one
+reruns as a no-op. One sweep at a time per folder: a second one is refused (SweepBusy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from batchlab import atomic, data, stages, tracking
+from batchlab.config import Config
+from batchlab.study import analysis, report
+from batchlab.sweep import executors, experiment
+from batchlab.sweep import state as sweep_state
+from batchlab.sweep.lock import exclusive
+from batchlab.sweep.state import Sweep
+
+log = logging.getLogger(__name__)
+
+
+def prepare(cfg: Config, paths: stages.Paths) -> Sweep:
+    """Plan the experiments and find those an earlier sweep already finished. Call it holding `exclusive`."""
+    dataset = data.load(paths.data)
+    experiments = experiment.plan(cfg, dataset.train.y.shape[0])
+    data_hash = dataset.content_hash()
+    key = cfg.section_hash("model", "train", "sweep") + f"-{data_hash}-{experiment.code_hash()}"
+    state = sweep_state.load(paths, key)
+    finished = {}
+    for exp in experiments:
+        result_path = paths.outputs / "sweep" / "experiments" / exp.name / "result.json"
+        done = experiment.read_result(result_path, experiment.fingerprint(cfg, exp, data_hash))
+        if done:
+            finished[exp.name] = done
+    earlier = sweep_state.earlier_wall_seconds(state, finished)
+    sweep = Sweep(experiments, finished, key, state.get("parent_run_id"), earlier, state.get("reported"))
+    if sweep.up_to_date:
+        log.info(
+            "sweep: all %d experiments already finished; nothing to do (delete %s/ to re-measure)",
+            len(experiments),
+            paths.outputs / "sweep",
+        )
+    elif finished:
+        log.info("sweep: resuming, %d of %d experiments already finished", len(finished), len(experiments))
+    return sweep
+
+
+@contextlib.contextmanager
+def parent_run(cfg: Config, paths: stages.Paths, sweep: Sweep) -> Iterator[tracking.Tracker]:
+    """The sweep's parent MLflow run, re-opened when resuming; none when the sweep is up to date
+    (nothing new to log)."""
+    if sweep.up_to_date:
+        yield tracking.Tracker()
+        return
+    name = f"sweep-{'-'.join(map(str, cfg.sweep.batch_sizes))}"
+    resuming = sweep.parent_run_id is not None
+    with tracking.run(cfg.tracking, run_id=sweep.parent_run_id, name=None if resuming else name) as parent:
+        sweep.parent_run_id = parent.run_id
+        sweep_state.save(paths, sweep, sweep.wall_seconds, attempt_started_at=time.time(), reported=None)
+        if not resuming:
+            parent.log_params({**cfg.flat(), "sweep.n_experiments": len(sweep.experiments)})
+            parent.set_tags({"sweep": "parent", **tracking.environment_tags()})
+        try:
+            yield parent
+        except BaseException:
+            # failed, Ctrl-C or SIGTERM: a resume adds to this attempt's time
+            sweep_state.save(paths, sweep, sweep.elapsed(), attempt_started_at=None, reported=None)
+            raise
+
+
+def finish(
+    cfg: Config, paths: stages.Paths, sweep: Sweep, results: dict[str, dict[str, Any]], parent: tracking.Tracker
+) -> dict[str, Any]:
+    """Analyse every experiment's result, write the report and log it on the parent run.
+
+    The report depends on the results and the stored wall time only, so an up-to-date sweep
+    rewrites the same bytes (`dvc repro` deletes reports/sweep before the stage runs)."""
+    ordered = [{**sweep.finished, **results}[e.name] for e in sweep.experiments]
+    wall = sweep.wall_seconds if sweep.up_to_date else sweep.elapsed()
+    folder = paths.reports / "sweep"
+    n_test = int(data.load(paths.data).test.y.shape[0])
+    result = analysis.analyse(ordered, n_test, cfg.sweep.target_val_loss, cfg.sweep.memory_budget_mb)
+    context = {
+        "lr_scaling": cfg.sweep.lr_scaling,
+        "base_batch": cfg.train.batch_size,
+        "optimizer": cfg.train.optimizer,
+        "epochs": cfg.sweep.epochs or cfg.train.epochs,
+        "memory_budget_mb": cfg.sweep.memory_budget_mb,
+    }
+    markdown = report.write(result, folder, context)
+    figures = {
+        **result.figures(),
+        "sweep_wall_seconds": wall,
+        "sum_train_seconds": sum(r["train_seconds"] for r in ordered),
+    }
+    atomic.write_json(folder / "sweep.json", figures)  # DVC metrics: figures only (the table is summary.md)
+    summary = {**figures, "markdown": markdown}
+    if sweep.up_to_date:
+        return summary
+    parent.log_metrics({k: float(v) for k, v in figures.items()})
+    parent.log_table(result.rows, "sweep/summary_table.json")
+    parent.set_tags({tracking.NOTE: markdown})
+    for file in sorted(folder.iterdir()):
+        parent.log_artifact(file, "sweep")
+    sweep_state.save(paths, sweep, wall, attempt_started_at=None, reported=sweep_state.digest(ordered))
+    return summary
+
+
+def run_sweep(cfg: Config, paths: stages.Paths) -> dict[str, Any]:
+    """Run every experiment not already finished, then write the trade-off report."""
+    executor = executors.for_sweep(cfg)  # its checks fail before anything runs
+    with exclusive(paths):
+        sweep = prepare(cfg, paths)
+        with parent_run(cfg, paths, sweep) as parent:
+            results = executor.run(cfg, sweep.todo, paths, parent.run_id)
+            summary = finish(cfg, paths, sweep, results, parent)
+    return summary

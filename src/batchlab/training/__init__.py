@@ -1,0 +1,14 @@
+"""Training one model: the loop and everything it decides once.
+
+    train       fit(): set-up -> loop -> result; the epoch's seeding; early stopping, best epoch
+    strategy    device, DDP/FSDP, precision, micro-batching, decided once (Strategy)
+    sharded     FSDP2: fully_shard, the norm from shards, DCP checkpoints
+    checkpoint  atomic per-epoch checkpoints, exact resume
+    resume      a resumed training continues its MLflow run
+    gns         the gradient noise scale B_simple: estimators, EMAs, the probes
+    memory      the tensor peak of one training step
+    launch      torchrun, the thread policy, the cores a process may use
+    loopback    torchrun with every socket on 127.0.0.1 on one machine
+
+Nothing here imports the sweep, the seeds trained together or the study.
+"""
