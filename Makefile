@@ -11,7 +11,7 @@ export PREFECT_HOME ?= $(abspath .prefect)
 export PREFECT_LOGGING_EXTRA_LOGGERS ?= batchlab
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run compare test lint format bench ui serve clean
+.PHONY: help setup run compare test test-fast lint format bench ui serve clean
 
 help:  ## this list
 	@sed -n 's/^\([a-z]*\):.*## \(.*\)/  make \1\t\2/p' $(firstword $(MAKEFILE_LIST)) | expand -t 16
@@ -48,7 +48,10 @@ format: setup  ## ruff format, then ruff check --fix
 test: lint  ## lint, type-check, then the whole test suite
 	$(BIN)/python -m pytest
 
-bench: setup  ## speed and overhead tables -> benchmarks/results.json and README figures
+test-fast: lint  ## lint, type-check, then the tests not marked slow (unit and in-process)
+	$(BIN)/python -m pytest -m "not slow"
+
+bench: setup  ## speed and overhead tables -> benchmarks/results.json and docs/benchmarks.md
 	$(BIN)/python -m pip install -q -r benchmarks/requirements.txt -c requirements.lock
 	$(BIN)/python benchmarks/run_all.py
 

@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from batchlab.config import ModelConfig
-from batchlab.training import launch
+from batchlab.training import threads
 from common import Table, cli_env, markdown, progress, verdict
 
 BATCHES = (16, 64, 512)
@@ -39,7 +39,7 @@ EPOCHS = 5
 SAMPLES = 8000
 REPEATS = 3
 TOLERANCE = 0.10
-# the step measurement behind launch.FLOPS_PER_THREAD
+# the step measurement behind threads.FLOPS_PER_THREAD
 STEP_WIDTHS = (64, 256, 1024)
 STEP_TRIALS = 3
 STEPS_PER_TRIAL = 10
@@ -137,7 +137,7 @@ def main() -> dict[str, Any]:
     cases = [(DEFAULT_WIDTH, b) for b in BATCHES] + [(WIDE, 512)]
     auto = Table(
         f"train.threads: auto vs explicit, `batchlab train` per-epoch samples/s (best of {REPEATS} runs, each the "
-        f"median of epochs 2-{EPOCHS}; {SAMPLES} rows), {launch.usable_cores()} usable cores",
+        f"median of epochs 2-{EPOCHS}; {SAMPLES} rows), {threads.usable_cores()} usable cores",
         [
             "condition",
             "load avg",
@@ -154,7 +154,7 @@ def main() -> dict[str, Any]:
     rule = Table(
         "Training step, 2 threads vs 1 (1-thread time / 2-thread time; above 1: the second thread pays), "
         f"MLP 10-W-W-2, fastest of {STEP_TRIALS} x {STEPS_PER_TRIAL} steps; auto: 1 thread per "
-        f"{launch.FLOPS_PER_THREAD / 1e6:g} MFLOP, and 1 beside a busy core",
+        f"{threads.FLOPS_PER_THREAD / 1e6:g} MFLOP, and 1 beside a busy core",
         ["condition", "load avg", "width", "batch", "MFLOP/step", "ratio", "auto, 2 free cores"],
     )
     measured: dict[str, Any] = {}
@@ -199,8 +199,8 @@ def main() -> dict[str, Any]:
                 measured[condition]["step_ratios"] = ratios
                 for width in STEP_WIDTHS:
                     for batch in BATCHES:
-                        flops = launch.step_flops(ModelConfig(hidden_sizes=[width, width]), 10, 2, batch)
-                        wanted = min(2, max(1, int(flops // launch.FLOPS_PER_THREAD)))
+                        flops = threads.step_flops(ModelConfig(hidden_sizes=[width, width]), 10, 2, batch)
+                        wanted = min(2, max(1, int(flops // threads.FLOPS_PER_THREAD)))
                         rule.add(
                             condition,
                             f"{load:.2f}",

@@ -1,4 +1,4 @@
-"""Run the benchmarks, save benchmarks/results.json, print Markdown tables and refresh the README's.
+"""Run the benchmarks, save benchmarks/results.json, print Markdown tables and refresh docs/benchmarks.md.
 
     python benchmarks/run_all.py                  # every benchmark, one after the other
     python benchmarks/run_all.py --only loop,ddp  # a subset; results of the others are kept
@@ -26,7 +26,7 @@ from common import REPO, markdown, progress
 
 BENCHES = ("loop", "gns", "seeds", "threads", "startup", "tracking", "ddp", "fsdp", "sweep", "dask", "repro")
 RESULTS = REPO / "benchmarks" / "results.json"
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "benchmarks.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
@@ -72,13 +72,13 @@ def report(results: dict[str, Any]) -> str:
 
 
 def update_readme(text: str) -> None:
-    content = README.read_text() if README.is_file() else ""
+    content = PAGE.read_text() if PAGE.is_file() else ""
     start, end = content.find(START), content.find(END)
     if start < 0 or end < start:
-        print(f"notice: {README.name} has no {START} … {END} section; tables not copied there")
+        print(f"notice: {PAGE.name} has no {START} … {END} section; tables not copied there")
         return
-    atomic.write_text(README, f"{content[: start + len(START)]}\n{text}\n{content[end:]}")
-    print(f"updated the benchmark section of {README}")
+    atomic.write_text(PAGE, f"{content[: start + len(START)]}\n{text}\n{content[end:]}")
+    print(f"updated the benchmark section of {PAGE}")
 
 
 def parse_names(value: str) -> list[str]:

@@ -147,6 +147,7 @@ def test_the_program_ends_with_the_commands_status_and_its_output_written(tmp_pa
     assert failed.returncode == 2 and "no prepared dataset" in failed.stderr
 
 
+@pytest.mark.slow
 def test_train_picks_its_threads_when_train_threads_is_0(tmp_path: Path) -> None:
     write_params(tmp_path, merge(TINY, {"train": {"threads": 0, "epochs": 1}}))
     run(["batchlab", "generate"], tmp_path)

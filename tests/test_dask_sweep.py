@@ -284,6 +284,7 @@ def _prepared(folder: Path) -> dict[str, Any]:
     return params
 
 
+@pytest.mark.slow
 def test_sqlite_tracking_is_refused_before_anything_runs(tmp_path: Path) -> None:
     params = _prepared(tmp_path)
     sqlite = {"enabled": True, "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
@@ -295,6 +296,7 @@ def test_sqlite_tracking_is_refused_before_anything_runs(tmp_path: Path) -> None
     assert not (tmp_path / "sweep").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.slow
 def test_unanswering_scheduler_is_refused_within_seconds(tmp_path: Path) -> None:
     params = _prepared(tmp_path)
     address = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there

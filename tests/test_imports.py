@@ -6,6 +6,7 @@ The graph is read from the code (every import at any depth, function-level ones 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import batchlab
@@ -156,3 +157,10 @@ def test_imports_point_down_the_layers() -> None:
 def test_at_most_twelve_modules_at_the_top_of_the_package() -> None:
     top = sorted(p.stem for p in SRC.glob("*.py") if p.name != "__init__.py")
     assert len(top) <= 12, top
+
+
+def test_the_architecture_page_names_every_module() -> None:
+    page = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    words = set(re.findall(r"[a-z_]+", page))
+    unnamed = sorted(m for m in _graph() if m != "batchlab" and m.rpartition(".")[2] not in words)
+    assert unnamed == [], f"docs/architecture.md does not name: {unnamed}"

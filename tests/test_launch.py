@@ -12,7 +12,7 @@ import pytest
 
 from batchlab.config import TrainConfig, parse_config
 from batchlab.data import Shape
-from batchlab.training import launch
+from batchlab.training import launch, threads
 from tests.conftest import tiny_config
 
 
@@ -63,8 +63,8 @@ def test_several_machines_ranks_listen_where_the_user_says(monkeypatch: pytest.M
 def _machine(monkeypatch: pytest.MonkeyPatch, cores: int, busy: float = 0.0) -> None:
     """A process allowed on `cores` CPUs, with `busy` of them kept busy by other processes."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
-    monkeypatch.delenv(launch.CORES_ENV, raising=False)
-    monkeypatch.setattr(launch, "busy_cores", lambda window_s=0.1: busy)
+    monkeypatch.delenv(threads.CORES_ENV, raising=False)
+    monkeypatch.setattr(threads, "busy_cores", lambda window_s=0.1: busy)
 
 
 def test_worker_env_shares_cores_between_ranks_and_passes_the_run_id(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -86,16 +86,16 @@ def test_ranks_do_not_share_the_agent_store_unless_the_user_says(monkeypatch: py
 def test_usable_cores_are_this_process_affinity_not_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("os.cpu_count", lambda: 64)
     _machine(monkeypatch, 2)
-    assert launch.usable_cores() == 2
-    assert [launch.threads_per_process(n) for n in (1, 2, 4)] == [2, 1, 1]
+    assert threads.usable_cores() == 2
+    assert [threads.threads_per_process(n) for n in (1, 2, 4)] == [2, 1, 1]
 
 
 def test_a_granted_share_caps_this_process_and_the_ranks_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     _machine(monkeypatch, 8)
-    launch.limit_cores(3)  # a parallel sweep's experiment
-    assert launch.usable_cores() == 3
+    threads.limit_cores(3)  # a parallel sweep's experiment
+    assert threads.usable_cores() == 3
     env = launch.worker_env(_train(nproc=2), run_id=None)
-    assert env["OMP_NUM_THREADS"] == "1" and env[launch.CORES_ENV] == "3"
+    assert env["OMP_NUM_THREADS"] == "1" and env[threads.CORES_ENV] == "3"
 
 
 DATA = Shape(n_features=10, n_classes=2, rows={"train": 2800, "val": 600, "test": 600})  # params.yaml's
@@ -107,10 +107,10 @@ def _no_measuring(window_s: float = 0.1) -> float:
 
 def test_auto_gives_the_default_model_one_thread_without_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
     _machine(monkeypatch, 16)
-    monkeypatch.setattr(launch, "busy_cores", _no_measuring)
+    monkeypatch.setattr(threads, "busy_cores", _no_measuring)
     cfg = parse_config({})  # params.yaml's defaults: 64-wide, batch 64; the sweep up to batch 512
-    assert launch.training_threads(cfg, DATA) == 1
-    assert launch.sweep_threads(cfg, DATA) == 1
+    assert threads.training_threads(cfg, DATA) == 1
+    assert threads.sweep_threads(cfg, DATA) == 1
 
 
 WIDE = {"model": {"hidden_sizes": [1024, 1024]}, "train": {"threads": 0, "batch_size": 512}}
@@ -124,13 +124,13 @@ def test_auto_gives_a_wide_model_the_cores_no_other_process_is_busy_on(
     cores: int, busy: float, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _machine(monkeypatch, cores, busy)
-    assert launch.training_threads(tiny_config(**WIDE), DATA) == threads
+    assert threads.training_threads(tiny_config(**WIDE), DATA) == threads
 
 
 def test_auto_stays_within_a_granted_share_while_the_other_shares_are_busy(monkeypatch: pytest.MonkeyPatch) -> None:
     _machine(monkeypatch, 8, busy=4.0)  # the sweep's other experiment, on its 4 cores
-    launch.limit_cores(4)
-    assert launch.training_threads(tiny_config(**WIDE), DATA) == 4
+    threads.limit_cores(4)
+    assert threads.training_threads(tiny_config(**WIDE), DATA) == 4
 
 
 def test_auto_sizes_threads_to_the_micro_batch_a_process_runs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,15 +139,15 @@ def test_auto_sizes_threads_to_the_micro_batch_a_process_runs(monkeypatch: pytes
     split = tiny_config(
         model={"hidden_sizes": [256, 256]}, train={"threads": 0, "batch_size": 512, "grad_accum_steps": 8}
     )
-    assert launch.training_threads(whole, DATA) > launch.training_threads(split, DATA) > 1
+    assert threads.training_threads(whole, DATA) > threads.training_threads(split, DATA) > 1
 
 
 def test_explicit_threads_are_used_as_given(monkeypatch: pytest.MonkeyPatch) -> None:
     _machine(monkeypatch, 2, busy=2.0)
-    monkeypatch.setattr(launch, "busy_cores", _no_measuring)
+    monkeypatch.setattr(threads, "busy_cores", _no_measuring)
     cfg = tiny_config(model=WIDE["model"], train={"threads": 3})
-    assert launch.training_threads(cfg, DATA) == launch.sweep_threads(cfg, DATA) == 3
-    assert launch.inference_threads(cfg, DATA) == 3
+    assert threads.training_threads(cfg, DATA) == threads.sweep_threads(cfg, DATA) == 3
+    assert threads.inference_threads(cfg, DATA) == 3
 
 
 def test_evaluate_and_export_size_threads_to_a_forward_pass_over_the_test_split(
@@ -155,9 +155,9 @@ def test_evaluate_and_export_size_threads_to_a_forward_pass_over_the_test_split(
 ) -> None:
     _machine(monkeypatch, 8)
     cfg = tiny_config(model=WIDE["model"], train={"threads": 0})
-    assert launch.inference_threads(cfg, DATA) == 8  # 600 rows through a 1024-wide model
+    assert threads.inference_threads(cfg, DATA) == 8  # 600 rows through a 1024-wide model
     small = Shape(n_features=10, n_classes=2, rows={"train": 20, "val": 4, "test": 4})
-    assert launch.inference_threads(cfg, small) == 1
+    assert threads.inference_threads(cfg, small) == 1
     assert launch.stage_threads("evaluate", cfg, small) == launch.stage_threads("export", cfg, small) == 1
 
 
@@ -171,7 +171,7 @@ def test_processes_that_run_no_model_themselves_leave_threads_alone(monkeypatch:
 def test_busy_cores_sees_a_process_spinning_on_a_core() -> None:
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        assert launch.busy_cores(window_s=0.5) >= 0.5
+        assert threads.busy_cores(window_s=0.5) >= 0.5
     finally:
         spinner.kill()
         spinner.wait()
@@ -189,7 +189,7 @@ def test_busy_cores_leaves_out_this_processs_own_threads() -> None:
     spinner = threading.Thread(target=spin, daemon=True)
     spinner.start()
     try:
-        assert launch.busy_cores(window_s=0.5) < 0.5
+        assert threads.busy_cores(window_s=0.5) < 0.5
     finally:
         stop.set()
         spinner.join()

@@ -52,6 +52,7 @@ def _predict(root: Path, *args: str, check: bool = True) -> subprocess.Completed
     return run(["batchlab", "predict", *args], root, check=check)
 
 
+@pytest.mark.slow
 def test_predictions_on_the_raw_test_split_equal_evaluates_and_pass_extra_columns_through(pipeline: Path) -> None:
     out = pd.read_csv(pipeline / REFERENCE, dtype={"predicted": str})
     expected = pd.read_csv(pipeline / "reports/predictions.csv", dtype=str)
@@ -83,6 +84,7 @@ def test_predict_imports_no_torch_and_streams_parquet_and_npy_in_chunks_to_the_s
     assert shown.splitlines() == [line.split(",", 1)[1] for line in reference.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_mlflow_uris_name_the_same_model(pipeline: Path) -> None:
     run_id = json.loads((pipeline / "reports/train.json").read_text())["run_id"]
     expected = (pipeline / REFERENCE).read_text()

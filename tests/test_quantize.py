@@ -54,6 +54,7 @@ def _int8_breaking_model(dataset: data.Dataset) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.slow
 def test_an_int8_model_beyond_the_f1_drop_fails_export_and_leaves_no_int8_file(tmp_path: Path) -> None:
     params = merge(TINY, {"export": {"quantize": "dynamic", "atol": 1e-3}})
     write_params(tmp_path, params)

@@ -1,7 +1,7 @@
-"""The README's promise: every command it shows works exactly as written after `make run`.
+"""The README's promise: every command it and the docs show works exactly as written after `make run`.
 
-The commands are parsed from README.md, so the test and the README cannot drift apart: a new
-command is run here, or listed in NOT_RUN with the test that covers it instead.
+The commands are parsed from README.md and docs/*.md, so the test and the docs cannot drift apart:
+a new command is run here, or listed in NOT_RUN with the test that covers it instead.
 """
 
 from __future__ import annotations
@@ -57,8 +57,17 @@ def readme_commands(text: str) -> list[str]:
     return commands
 
 
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def _pages_text() -> str:
+    return "\n".join(page.read_text() for page in PAGES)
+
+
 def _runnable() -> list[str]:
-    return [c for c in readme_commands((REPO / "README.md").read_text()) if not c.startswith(tuple(NOT_RUN))]
+    """Each command once, in the order the README and then the docs show them."""
+    commands = readme_commands(_pages_text())
+    return [c for c in dict.fromkeys(commands) if not c.startswith(tuple(NOT_RUN))]
 
 
 def test_readme_commands_are_parsed_and_each_one_is_run_or_accounted_for() -> None:
@@ -91,8 +100,8 @@ def test_every_readme_command_works_as_written_after_make_run(repo_copy: Path, t
 
 
 def test_every_test_the_readme_names_exists() -> None:
-    """The fault matrix names the test that proves each row: a renamed test must not leave it stale."""
-    named = set(re.findall(r"(test_\w+\.py)::(test_\w+)", (REPO / "README.md").read_text()))
+    """The fault table names the test that proves each row: a renamed test must not leave it stale."""
+    named = set(re.findall(r"(test_\w+\.py)::(test_\w+)", _pages_text()))
     assert len(named) >= 20, named
     missing = [f"{f}::{t}" for f, t in sorted(named) if f"def {t}(" not in (REPO / "tests" / f).read_text()]
     assert not missing, f"README names tests that do not exist: {missing}"

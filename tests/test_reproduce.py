@@ -31,6 +31,7 @@ def _store(repo: Path) -> str:
     return f"sqlite:///{repo / 'mlflow.db'}"
 
 
+@pytest.mark.slow
 def test_a_run_from_a_dirty_tree_or_without_a_commit_is_refused_in_one_line(repo_copy: Path) -> None:
     set_params(repo_copy, "tracking", enabled=True, tracking_uri=_store(repo_copy))
     client = MlflowClient(_store(repo_copy))

@@ -33,6 +33,7 @@ def test_lr_scaling_rules() -> None:
     assert scaled_lr(0.01, 64, 16, "none") == 0.01
 
 
+@pytest.mark.slow
 def test_sweep_records_parent_children_and_report(workdir: Path) -> None:
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri}, sweep={"lr_scaling": "sqrt", "seeds": [0, 1]})

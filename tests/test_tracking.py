@@ -166,6 +166,7 @@ WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_four_concurrent_writers_share_one_sqlite_file(tmp_path: Path) -> None:
     uri = _uri(tmp_path)
     procs = [

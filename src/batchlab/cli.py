@@ -150,26 +150,6 @@ def _configure_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def experiment_id(store_uri: str, name: str) -> str | None:
-    """The id of the active experiment `name` in an MLflow SQL store, read with SQLAlchemy;
-    None when the store or the experiment does not exist (yet), or the store is not SQL."""
-    if store_uri.startswith("sqlite:///") and not Path(store_uri.removeprefix("sqlite:///")).is_file():
-        return None  # connecting would create an empty database file
-    import sqlalchemy
-
-    query = sqlalchemy.text("SELECT experiment_id FROM experiments WHERE name = :name AND lifecycle_stage = 'active'")
-    try:
-        engine = sqlalchemy.create_engine(store_uri)
-        try:
-            with engine.connect() as connection:
-                row = connection.execute(query, {"name": name}).first()
-        finally:
-            engine.dispose()
-    except Exception:  # no SQL store (a file or http URI), unreachable, or no tables yet
-        return None
-    return None if row is None else str(row[0])
-
-
 def ui_url(port: int, experiment: str | None) -> str:
     """MLflow 3's UI opens an experiment on its GenAI overview; this parameter opens the runs table."""
     base = f"http://127.0.0.1:{port}"
@@ -204,6 +184,8 @@ def run(args: argparse.Namespace) -> None:
         _verify(args.out or Path("."), resolve_uri(cfg.tracking) if cfg.tracking.enabled else None)
         return
     if args.stage == "ui-url":
+        from batchlab.tracking.backend import experiment_id
+
         print(ui_url(args.port, experiment_id(args.store, cfg.tracking.experiment)))
         return
     from batchlab import stages

@@ -19,7 +19,7 @@ from batchlab import atomic, data, tracking
 from batchlab import config as config_module
 from batchlab.config import Config, dump_config
 from batchlab.paths import Paths
-from batchlab.training import launch
+from batchlab.training import launch, threads
 from batchlab.validate import batch_fits
 
 if TYPE_CHECKING:
@@ -51,13 +51,11 @@ def train_worker(
     cfg: Config, paths: Paths, tracker: tracking.Tracker | None = None, dataset: data.Dataset | None = None
 ) -> None:
     """One training process: the only one, or one rank under torchrun. Rank 0 writes the outputs."""
-    import torch
-
     from batchlab.training.strategy import session
     from batchlab.training.train import fit
 
     if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+        threads.use_threads(cfg.train.threads)
     if dataset is None:  # a rank under torchrun reads it itself
         dataset = data.load(paths.data)
     with session(cfg.train) as strategy:
@@ -92,8 +90,8 @@ def write_trained(cfg: Config, paths: Paths, result: TrainResult, dataset: data.
 
 def _rank_args(cfg: Config, paths: Paths) -> list[str]:
     """The one channel from launcher to ranks: the resolved config, threads included, written once."""
-    threads = cfg.train.threads or launch.threads_per_process(cfg.train.nproc)
-    resolved = cfg.model_copy(update={"train": cfg.train.model_copy(update={"threads": threads})})
+    count = cfg.train.threads or threads.threads_per_process(cfg.train.nproc)
+    resolved = cfg.model_copy(update={"train": cfg.train.model_copy(update={"threads": count})})
     params = paths.outputs / ".batchlab" / "rank-params.yaml"
     atomic.write_text(params, dump_config(resolved))
     # ranks start in paths.root, so every path they are given is absolute
@@ -224,7 +222,6 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
     from batchlab.inference import export as onnx
     from batchlab.inference import predict, quantize
     from batchlab.model import load_model
-    from batchlab.tracking import digests, pyfunc
 
     dataset = data.load(paths.data)
     model, _ = load_model(paths.model)
@@ -267,7 +264,7 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
             tracker.log_artifact(int8["file"], "export")
         tracker.log_onnx_model(paths.onnx)
         raw_rows = dataset.test.x[:5] * np.asarray(prep.std) + np.asarray(prep.mean)  # unscaled: the input example
-        pyfunc.log_predictor(tracker, paths.onnx, raw_rows)
-        digests.record(tracker)  # every model of the run, train's included: `batchlab verify` checks them
+        tracker.log_predictor(paths.onnx, raw_rows)
+        tracker.record_digests()  # every model of the run, train's included: `batchlab verify` checks them
     log.info("export: %s, max |onnx - torch| = %.2e", paths.onnx, export_report["max_abs_diff"])
     return export_report

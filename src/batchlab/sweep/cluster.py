@@ -29,7 +29,7 @@ from batchlab import atomic, data, orchestration, stages, tracking
 from batchlab.config import Config, ConfigError
 from batchlab.sweep import groups
 from batchlab.sweep.experiment import Experiment, code_hash
-from batchlab.training import launch
+from batchlab.training import threads
 
 # the worker's checkout of the repo, when it is not at the path the sweep was started from
 WORKER_ROOT_ENV = "BATCHLAB_WORKER_ROOT"
@@ -127,7 +127,7 @@ def _worker_threads() -> int:
     """The cores of this worker process shared by the experiments it runs at once (its --nthreads)."""
     from distributed import get_worker
 
-    return launch.threads_per_process(get_worker().state.nthreads)
+    return threads.threads_per_process(get_worker().state.nthreads)
 
 
 @task(
@@ -149,8 +149,8 @@ def experiment(
     """The result rows, by name, of one experiment, or of the seeds of a batch size trained together."""
     paths = worker_paths(root, outputs)
     check_worker(want, paths)
-    launch.limit_cores(_worker_threads())
-    launch.use_threads(launch.sweep_threads(cfg, data.shape(paths.data)))
+    threads.limit_cores(_worker_threads())
+    threads.use_threads(threads.sweep_threads(cfg, data.shape(paths.data)))
     return groups.train_group(cfg, group, paths, parent_run_id)
 
 

@@ -15,20 +15,16 @@ import logging
 import math
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from batchlab import atomic, data, evaluate, stages
 from batchlab.config import Config, parse_config
 from batchlab.seeds.vectorized import trains_together
 from batchlab.sweep import probes
 from batchlab.tracking import Tracker, children
-from batchlab.training import launch
+from batchlab.training import threads
 from batchlab.training.train import steps_per_epoch
 from batchlab.validate import batches_fit
 
@@ -241,12 +237,8 @@ def read_result(path: Path, expected: str) -> dict[str, Any] | None:
     return result if result.get("fingerprint") == expected else None
 
 
-def _isolated(
-    cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None, threads: int
-) -> dict[str, Any]:
-    # this process, and ranks it starts, use its share of the cores: `threads` of them at most
-    launch.limit_cores(threads)
-    torch.set_num_threads(launch.sweep_threads(cfg, data.shape(paths.data)))
+def _with_sweep_threads(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
+    threads.use_threads(threads.sweep_threads(cfg, data.shape(paths.data)))
     return train_and_score(cfg, exp, paths, parent_run_id)
 
 
@@ -255,7 +247,5 @@ def run_experiment(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run
     sweep.parallel experiments run at once."""
     if cfg.sweep.parallel == 1:
         return train_and_score(cfg, exp, paths, parent_run_id)
-    threads = launch.threads_per_process(cfg.sweep.parallel)
-    # spawn: torch and fork do not mix; a fresh process also gives an honest peak-memory figure
-    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-        return pool.submit(_isolated, cfg, exp, paths, parent_run_id, threads).result()
+    cores = threads.threads_per_process(cfg.sweep.parallel)
+    return threads.in_fresh_process(cores, _with_sweep_threads, cfg, exp, paths, parent_run_id)

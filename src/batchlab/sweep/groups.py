@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from typing import Any, TypeVar
-
-import torch
 
 from batchlab import data, stages
 from batchlab.config import Config
@@ -26,7 +22,7 @@ from batchlab.seeds import vectorized
 from batchlab.seeds.vectorized import trains_together
 from batchlab.sweep import experiment
 from batchlab.sweep.experiment import Experiment
-from batchlab.training import launch
+from batchlab.training import threads
 from batchlab.training.strategy import seeds_train_apart, session
 
 log = logging.getLogger(__name__)
@@ -54,16 +50,14 @@ def run_group(cfg: Config, exps: list[Experiment], paths: stages.Paths, parent_r
         return {exps[0].name: experiment.run_experiment(cfg, exps[0], paths, parent_run_id)}
     if cfg.sweep.parallel == 1:
         return train_group(cfg, exps, paths, parent_run_id)
-    threads = launch.threads_per_process(cfg.sweep.parallel)
-    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-        return pool.submit(_isolated, cfg, exps, paths, parent_run_id, threads).result()
+    cores = threads.threads_per_process(cfg.sweep.parallel)
+    return threads.in_fresh_process(cores, _with_sweep_threads, cfg, exps, paths, parent_run_id)
 
 
-def _isolated(
-    cfg: Config, exps: list[Experiment], paths: stages.Paths, parent_run_id: str | None, threads: int
+def _with_sweep_threads(
+    cfg: Config, exps: list[Experiment], paths: stages.Paths, parent_run_id: str | None
 ) -> dict[str, Any]:
-    launch.limit_cores(threads)
-    torch.set_num_threads(launch.sweep_threads(cfg, data.shape(paths.data)))
+    threads.use_threads(threads.sweep_threads(cfg, data.shape(paths.data)))
     return train_group(cfg, exps, paths, parent_run_id)
 
 
@@ -96,7 +90,7 @@ def _train_together(
     cfgs = [experiment.experiment_config(cfg, exp) for exp in exps]
     folders = [experiment.experiment_paths(paths, exp) for exp in exps]
     if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+        threads.use_threads(cfg.train.threads)
     log.info("sweep: %s train together", ", ".join(exp.name for exp in exps))
     with session(cfgs[0].train) as strategy:
         trained = vectorized.fit_seeds(cfgs, dataset, strategy, checkpoints=[f.checkpoint for f in folders])

@@ -64,6 +64,12 @@ class Tracker:
     def log_onnx_model(self, path: str | Path) -> None:
         pass
 
+    def log_predictor(self, onnx_path: str | Path, example_rows: np.ndarray) -> None:
+        """The ONNX model as the `predictor` pyfunc: raw rows in, class and probabilities out."""
+
+    def record_digests(self) -> None:
+        """A sha256 of every file of every model of the run, for `batchlab verify`."""
+
     def register(self, model_uri: str, score: float, metric: str) -> bool:
         return False
 

@@ -11,10 +11,9 @@ import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from batchlab.tracking.backend import retry_locked
-from batchlab.tracking.base import Tracker
-from batchlab.tracking.mlflow_tracker import MlflowTracker
 from batchlab.tracking.record import download, run_models
 
 DIGEST_TAG = "batchlab.sha256"  # JSON {file path in the model: sha256}
@@ -31,18 +30,12 @@ def _file_digests(artifact_location: str, tracking_uri: str) -> dict[str, str]:
         return {p.relative_to(local).as_posix(): sha256(p) for p in sorted(local.rglob("*")) if p.is_file()}
 
 
-def record(tracker: Tracker) -> None:
-    """Tag every model of the tracker's run that has no digests yet (nothing when not tracking)."""
-    if not isinstance(tracker, MlflowTracker):
-        return
-
-    def tag_all() -> None:
-        for model in run_models(tracker.client, tracker.run_id):
-            if DIGEST_TAG not in model.tags:  # recorded once: recording again would bless a change
-                digests = json.dumps(_file_digests(model.artifact_location, tracker.uri), sort_keys=True)
-                retry_locked(tracker.client.set_logged_model_tags, model.model_id, {DIGEST_TAG: digests})
-
-    tracker._persist("the model digests", tag_all)
+def record(client: Any, run_id: str, tracking_uri: str) -> None:
+    """Tag every model of run `run_id` that has no digests yet (MlflowTracker.record_digests calls it)."""
+    for model in run_models(client, run_id):
+        if DIGEST_TAG not in model.tags:  # recorded once: recording again would bless a change
+            digests = json.dumps(_file_digests(model.artifact_location, tracking_uri), sort_keys=True)
+            retry_locked(client.set_logged_model_tags, model.model_id, {DIGEST_TAG: digests})
 
 
 @dataclass

@@ -53,3 +53,18 @@ def named_requirements() -> Iterator[None]:
     finally:
         reqs._MODULES_TO_PACKAGES = None
         reqs._PACKAGES_TO_MODULES = None
+
+
+@contextlib.contextmanager
+def logging_into(run_id: str) -> Iterator[None]:
+    """While logging a model: model-logging APIs log into the active run, so ours is active (not
+    ended afterwards), and its named requirements are checked without MLflow's module map."""
+    import mlflow
+
+    active = mlflow.active_run()
+    with named_requirements():
+        if active is not None and active.info.run_id == run_id:
+            yield
+            return
+        with mlflow.start_run(run_id=run_id):
+            yield

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +15,7 @@ from batchlab.config import TrackingConfig
 from batchlab.tracking import outage
 from batchlab.tracking.backend import reachable, retry_locked
 from batchlab.tracking.base import CHAMPION, RESUMED, Tracker
-from batchlab.tracking.flavors import named_requirements, torch_flavor
+from batchlab.tracking.flavors import logging_into, torch_flavor
 
 if TYPE_CHECKING:
     from torch import nn
@@ -160,7 +160,7 @@ class MlflowTracker(Tracker):
             output = model.cpu()(torch.from_numpy(example)).numpy()
 
         def log_model() -> str:
-            with _active(self.run_id):
+            with logging_into(self.run_id):
                 info = torch_flavor().log_model(
                     model,
                     name="model",
@@ -178,12 +178,22 @@ class MlflowTracker(Tracker):
         import onnx
 
         def log_model() -> None:
-            with _active(self.run_id):
+            with logging_into(self.run_id):
                 mlflow.onnx.log_model(
                     onnx.load(str(path)), name="onnx_model", pip_requirements=["onnxruntime", "numpy"]
                 )
 
         self._persist("the ONNX model", log_model)
+
+    def log_predictor(self, onnx_path: str | Path, example_rows: np.ndarray) -> None:
+        from batchlab.tracking import pyfunc
+
+        self._persist("the predictor model", pyfunc.log_predictor, self.run_id, Path(onnx_path), example_rows)
+
+    def record_digests(self) -> None:
+        from batchlab.tracking import digests
+
+        self._persist("the model digests", digests.record, self.client, self.run_id, self.uri)
 
     def register(self, model_uri: str, score: float, metric: str) -> bool:
         """Register the model; move the champion alias only when `score` beats the champion's."""
@@ -267,18 +277,3 @@ class MlflowTracker(Tracker):
             "batchlab: warning: tracking backend %s was unreachable; not recorded in run %s: %s",
             self.uri, self.run_id, "; ".join(lost),
         )  # fmt: skip
-
-
-@contextlib.contextmanager
-def _active(run_id: str) -> Iterator[None]:
-    """While logging a model: model-logging APIs log into the active run, so ours is active (not
-    ended afterwards), and its named requirements are checked without MLflow's module map."""
-    import mlflow
-
-    active = mlflow.active_run()
-    with named_requirements():
-        if active is not None and active.info.run_id == run_id:
-            yield
-            return
-        with mlflow.start_run(run_id=run_id):
-            yield

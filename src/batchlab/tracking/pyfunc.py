@@ -11,19 +11,16 @@ from pathlib import Path
 import numpy as np
 
 from batchlab.data import DataError
-from batchlab.tracking.base import Tracker
-from batchlab.tracking.mlflow_tracker import MlflowTracker, _active
+from batchlab.tracking.flavors import logging_into
 from batchlab.tracking.record import download, run_models
 
 PREDICTOR = "predictor"  # the logged model's name in the run
 CODE = Path(__file__).with_name("onnx_predictor.py")
 
 
-def log_predictor(tracker: Tracker, onnx_path: Path, example_rows: np.ndarray) -> None:
-    """Log the ONNX model as the `predictor` pyfunc into the tracker's run (nothing when not tracking).
-    `example_rows`: a few raw feature rows, the input example."""
-    if not isinstance(tracker, MlflowTracker):
-        return
+def log_predictor(run_id: str, onnx_path: Path, example_rows: np.ndarray) -> None:
+    """Log the ONNX model as the `predictor` pyfunc into run `run_id` (MlflowTracker.log_predictor
+    calls it). `example_rows`: a few raw feature rows, the input example."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # logging loads the model back
     import mlflow
     from mlflow.models import infer_signature
@@ -33,19 +30,15 @@ def log_predictor(tracker: Tracker, onnx_path: Path, example_rows: np.ndarray) -
     model = OnnxClassifier(onnx_path)
     example = _frame(example_rows, model.prep.feature_names)
     signature = infer_signature(example, model.frame(example_rows), params={"output": "all"})
-
-    def log_model() -> None:
-        with _active(tracker.run_id):
-            mlflow.pyfunc.log_model(
-                name=PREDICTOR,
-                python_model=str(CODE),
-                artifacts={"onnx": str(onnx_path)},
-                signature=signature,
-                input_example=example,
-                pip_requirements=["onnxruntime", "numpy", "pandas", f"mlflow=={mlflow.__version__}"],
-            )
-
-    tracker._persist("the predictor model", log_model)
+    with logging_into(run_id):
+        mlflow.pyfunc.log_model(
+            name=PREDICTOR,
+            python_model=str(CODE),
+            artifacts={"onnx": str(onnx_path)},
+            signature=signature,
+            input_example=example,
+            pip_requirements=["onnxruntime", "numpy", "pandas", f"mlflow=={mlflow.__version__}"],
+        )
 
 
 def _frame(rows: np.ndarray, columns: list[str]) -> object:

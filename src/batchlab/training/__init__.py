@@ -7,7 +7,8 @@
     resume      a resumed training continues its MLflow run
     gns         the gradient noise scale B_simple: estimators, EMAs, the probes
     memory      the tensor peak of one training step
-    launch      torchrun, the thread policy, the cores a process may use
+    launch      torchrun; which threads each stage's process applies
+    threads     the thread policy: cores a process may use, torch threads, the spawn pool
     loopback    torchrun with every socket on 127.0.0.1 on one machine
 
 Nothing here imports the sweep, the seeds trained together or the study.
