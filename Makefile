@@ -14,7 +14,7 @@ export PREFECT_LOGGING_EXTRA_LOGGERS ?= batchlab
 .PHONY: help setup run compare test test-fast lint format bench ui serve clean
 
 help:  ## this list
-	@sed -n 's/^\([a-z]*\):.*## \(.*\)/  make \1\t\2/p' $(firstword $(MAKEFILE_LIST)) | expand -t 16
+	@sed -n 's/^\([a-z-]*\):.*## \(.*\)/  make \1\t\2/p' $(firstword $(MAKEFILE_LIST)) | expand -t 19
 
 setup: $(STAMP)  ## create .venv with the pinned set (the targets that need it do this first)
 

@@ -117,14 +117,14 @@ WIDE = {"model": {"hidden_sizes": [1024, 1024]}, "train": {"threads": 0, "batch_
 
 
 @pytest.mark.parametrize(
-    ("cores", "busy", "threads"),
+    ("cores", "busy", "expected"),
     [(8, 0.0, 8), (8, 0.1, 8), (8, 2.9, 5), (2, 0.0, 2), (2, 1.0, 1), (2, 2.0, 1), (1, 0.0, 1)],
 )
 def test_auto_gives_a_wide_model_the_cores_no_other_process_is_busy_on(
-    cores: int, busy: float, threads: int, monkeypatch: pytest.MonkeyPatch
+    cores: int, busy: float, expected: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _machine(monkeypatch, cores, busy)
-    assert threads.training_threads(tiny_config(**WIDE), DATA) == threads
+    assert threads.training_threads(tiny_config(**WIDE), DATA) == expected
 
 
 def test_auto_stays_within_a_granted_share_while_the_other_shares_are_busy(monkeypatch: pytest.MonkeyPatch) -> None:
