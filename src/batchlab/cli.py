@@ -8,15 +8,12 @@ scikit-learn, no torch, no mlflow).
 from __future__ import annotations
 
 import argparse
-import atexit
 import logging
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn
 
 BAD_INPUT = 2
 # commands whose process may loop for hours outside a training loop, so it keeps collecting garbage
@@ -255,18 +252,6 @@ def _verify(outputs: Path, tracking_uri: str | None) -> None:
         raise verify.IntegrityError(f"{len(report.mismatches)} files differ from their recorded hashes (above)")
 
 
-def _exit_now(status: int) -> NoReturn:
-    """End the process as the interpreter would, minus the teardown of its modules: 0.5-1.5 s with
-    torch, mlflow and scikit-learn loaded, freeing memory the OS frees at once. What comes before it
-    runs as usual, in the same order (Py_FinalizeEx): threads are joined, atexit handlers run
-    (logging, mlflow), stdout and stderr are flushed. Every output is written and closed by now."""
-    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own first step at exit
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(status)
-
-
 def _status(args: argparse.Namespace) -> int:
     # the error types: none of these modules imports torch or mlflow
     from batchlab import tracking
@@ -301,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging()
     status = _status(args)
     if argv is None:
-        _exit_now(status)
+        from batchlab import collector
+
+        collector.exit_now(status)
     return status
 
 

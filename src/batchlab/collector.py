@@ -12,12 +12,18 @@ A command with no such loop (generate, evaluate, export) ends with the collector
 cyclic garbage is the little its imports and one pass over its data leave, freed by the OS at exit.
 
 Only a process that `pause` paused is ever resumed: fit() in a notebook, a test or a Prefect task
-leaves that process's collector as it found it.
+leaves that process's collector as it found it. At its end the program skips the teardown of its
+modules as well (`exit_now`): freeing what the OS frees at once took 0.5-1.5 s.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
+import os
+import sys
+import threading
+from typing import NoReturn
 
 _paused = False
 
@@ -37,3 +43,15 @@ def resume() -> None:
         gc.freeze()
         gc.enable()
         _paused = False
+
+
+def exit_now(status: int) -> NoReturn:
+    """End the process as the interpreter would, minus the teardown of its modules: 0.5-1.5 s with
+    torch, mlflow and scikit-learn loaded, freeing memory the OS frees at once. What comes before it
+    runs as usual, in the same order (Py_FinalizeEx): threads are joined, atexit handlers run
+    (logging, mlflow), stdout and stderr are flushed. Every output is written and closed by now."""
+    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own first step at exit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(status)

@@ -29,20 +29,24 @@ from batchlab.seeds.optimizer import SeedOptimizer
 from batchlab.seeds.stacked import Seed, StackedModels
 from batchlab.tracking import Tracker
 from batchlab.training.checkpoint import Checkpoint, TrainState
+from batchlab.training.epochs import (
+    NonFiniteError,
+    check_finite,
+    dropout_seed,
+    epoch_order,
+    epoch_row,
+    epoch_stats,
+    likely_cause,
+    val_curve_points,
+)
 from batchlab.training.gns import NoiseScale
 from batchlab.training.strategy import Strategy, seeds_train_apart
 from batchlab.training.train import (
-    NonFiniteError,
     TrainResult,
-    check_finite,
-    epoch_row,
-    epoch_stats,
     fingerprint,
-    likely_cause,
     new_trainee,
     split_tensors,
     steps_per_epoch,
-    val_curve_points,
 )
 from batchlab.validate import batch_fits
 
@@ -99,14 +103,9 @@ def fit_seeds(
             seed.active = seed.active and not seed.state.should_stop(tc.early_stopping_patience)
         if not any(seed.active for seed in seeds):
             break
-        orders = torch.stack(
-            [
-                torch.randperm(n_train, generator=torch.Generator().manual_seed(s.cfg.train.seed * 100_003 + epoch))
-                for s in seeds
-            ]
-        ).to(strategy.device)
+        orders = torch.stack([epoch_order(s.cfg.train.seed, epoch, n_train) for s in seeds]).to(strategy.device)
         for seed in seeds:
-            seed.dropout.manual_seed(seed.cfg.train.seed * 7919 + epoch * 131 + strategy.rank)
+            seed.dropout.manual_seed(dropout_seed(seed.cfg.train.seed, epoch, strategy.rank))
         losses: list[torch.Tensor] = []  # S per step, seed by seed
         norms: list[torch.Tensor] = []
         scored: list[tuple[int, torch.Tensor]] = []

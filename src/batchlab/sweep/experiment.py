@@ -122,8 +122,6 @@ def experiment_paths(paths: stages.Paths, exp: Experiment) -> stages.Paths:
 # the experiment's fingerprint on its child run, and the result row the run stores before it ends
 # FINISHED: a rerun of a finished experiment (Dask runs a task at least once) returns that row
 KEY_TAG = "sweep.key"
-
-
 RESULT_ARTIFACT = "sweep/result.json"
 
 
@@ -148,13 +146,12 @@ def stored_result(
     found = read_result(path, key)
     if found is not None:
         return found
-    found = children.finished_result(cfg.tracking, parent_run_id, KEY_TAG, key, RESULT_ARTIFACT)
-    if found is not None and found.get("fingerprint") == key:
-        log.info("sweep: %s finished already (run %s): not training it again", exp.name, found.get("run_id"))
-        atomic.write_json(path, found)
-        return found
-    children.end_superseded(cfg.tracking, parent_run_id, KEY_TAG, key)
-    return None
+    found = children.finished_or_superseded(cfg.tracking, parent_run_id, KEY_TAG, key, RESULT_ARTIFACT)
+    if found is None or found.get("fingerprint") != key:
+        return None
+    log.info("sweep: %s finished already (run %s): not training it again", exp.name, found.get("run_id"))
+    atomic.write_json(path, found)
+    return found
 
 
 def keep(paths: stages.Paths, exp: Experiment, result: dict[str, Any]) -> dict[str, Any]:

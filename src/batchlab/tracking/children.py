@@ -22,11 +22,10 @@ from batchlab.tracking.record import download
 log = logging.getLogger(__name__)
 
 
-def _children(client: Any, parent_run_id: str, tag: str, value: str, status: str) -> list[Any]:
+def _children(client: Any, parent_run_id: str, tag: str, value: str) -> list[Any]:
+    """The children of `parent_run_id` tagged `tag` = `value`, oldest first, whatever their status."""
     parent = retry_locked(client.get_run, parent_run_id)
-    query = (
-        f"tags.`mlflow.parentRunId` = '{parent_run_id}' and tags.`{tag}` = '{value}' and attributes.status = '{status}'"
-    )
+    query = f"tags.`mlflow.parentRunId` = '{parent_run_id}' and tags.`{tag}` = '{value}'"
     runs: list[Any] = retry_locked(
         client.search_runs,
         [parent.info.experiment_id],
@@ -37,43 +36,38 @@ def _children(client: Any, parent_run_id: str, tag: str, value: str, status: str
     return runs
 
 
-def finished_result(
+def _stored(run_id: str, artifact: str, uri: str) -> dict[str, Any] | None:
+    from mlflow.exceptions import MlflowException
+
+    with tempfile.TemporaryDirectory(prefix="batchlab-child-") as tmp:
+        try:
+            path = download(f"runs:/{run_id}/{artifact}", tmp, uri)
+        except (MlflowException, OSError):  # finished before it stored one (an older batchlab)
+            return None
+        stored: dict[str, Any] = json.loads(Path(path).read_text())
+    return stored
+
+
+def finished_or_superseded(
     cfg: TrackingConfig, parent_run_id: str | None, tag: str, value: str, artifact: str
 ) -> dict[str, Any] | None:
-    """The JSON `artifact` of the first FINISHED child of `parent_run_id` tagged `tag` = `value`;
-    None when tracking is off, there is no parent, or no finished child holds it."""
+    """The JSON `artifact` of the first FINISHED child of `parent_run_id` tagged `tag` = `value`.
+    When there is none, the work is about to run again: its RUNNING attempts are ended KILLED,
+    wherever they ran (the owner checks in lifecycle see only this host's), and None is returned.
+    None at once when tracking is off or there is no parent."""
     if not cfg.enabled or parent_run_id is None:
         return None
     from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
 
     uri = resolve_uri(cfg)
     client = MlflowClient(uri)
-    for run in _children(client, parent_run_id, tag, value, "FINISHED"):
-        with tempfile.TemporaryDirectory(prefix="batchlab-child-") as tmp:
-            try:
-                path = download(f"runs:/{run.info.run_id}/{artifact}", tmp, uri)
-            except (MlflowException, OSError):  # finished before it stored one (an older batchlab)
-                continue
-            stored: dict[str, Any] = json.loads(Path(path).read_text())
-        return stored
+    runs = _children(client, parent_run_id, tag, value)
+    for run in runs:
+        if run.info.status == "FINISHED" and (stored := _stored(run.info.run_id, artifact, uri)) is not None:
+            return stored
+    for run in runs:
+        if run.info.status == "RUNNING":
+            retry_locked(client.set_tag, run.info.run_id, REAPED, f"superseded: {tag} {value} runs again")
+            retry_locked(client.set_terminated, run.info.run_id, "KILLED")
+            log.warning("tracking: ended run %s as KILLED: its work (%s) runs again", run.info.run_id, value)
     return None
-
-
-def end_superseded(cfg: TrackingConfig, parent_run_id: str | None, tag: str, value: str) -> list[str]:
-    """End KILLED the RUNNING children of `parent_run_id` tagged `tag` = `value`: attempts of work
-    about to run again, whose process died on a machine whose runs this one cannot check (the owner
-    checks in lifecycle end the dead attempts of this host). Returns their ids."""
-    if not cfg.enabled or parent_run_id is None:
-        return []
-    from mlflow import MlflowClient
-
-    client = MlflowClient(resolve_uri(cfg))
-    ended = []
-    for run in _children(client, parent_run_id, tag, value, "RUNNING"):
-        run_id = run.info.run_id
-        retry_locked(client.set_tag, run_id, REAPED, f"superseded: {tag} {value} runs again")
-        retry_locked(client.set_terminated, run_id, "KILLED")
-        log.warning("tracking: ended run %s as KILLED: its work (%s) runs again", run_id, value)
-        ended.append(run_id)
-    return ended

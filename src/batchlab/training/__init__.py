@@ -1,6 +1,7 @@
 """Training one model: the loop and everything it decides once.
 
-    train       fit(): set-up -> loop -> result; the epoch's seeding; early stopping, best epoch
+    train       fit(): set-up -> loop -> result; early stopping, best epoch
+    epochs      what every epoch does and reports: the seeding rule, statistics, the non-finite guard
     strategy    device, DDP/FSDP, precision, micro-batching, decided once (Strategy)
     sharded     FSDP2: fully_shard, the norm from shards, DCP checkpoints
     checkpoint  atomic per-epoch checkpoints, exact resume
