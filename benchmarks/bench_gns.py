@@ -2,11 +2,11 @@
 
 The params.yaml model (MLP [64, 64], dropout 0.1, AdamW) on 1 thread at batch 16, 64, 256 and 512.
 On one process without accumulation B_simple comes from per-example gradients (torch.func
-vmap(grad) over up to gns.PER_EXAMPLE_ROWS of the step's rows). Every step that would cost
+vmap(grad) over up to gns_probes.PER_EXAMPLE_ROWS of the step's rows). Every step that would cost
 several steps' time (a fixed ~1 ms of functorch dispatch on this small model), so fit()
-measures every gns.PER_EXAMPLE_EVERY-th step, or every gns.PER_EXAMPLE_ROWS_BETWEEN rows when
-that is more often; the "every step" rows show why. Accumulation
-(micro-batches vs the batch) measures every gns.MICRO_BATCH_EVERY-th step. Variants run interleaved, the median of
+measures every gns_probes.PER_EXAMPLE_EVERY-th step, or every gns_probes.PER_EXAMPLE_ROWS_BETWEEN
+rows when that is more often; the "every step" rows show why. Accumulation (micro-batches vs the
+batch) measures every gns_probes.MICRO_BATCH_EVERY-th step. Variants run interleaved, the median of
 REPEATS is kept, and the load average is recorded: a neighbour's load hits all variants alike.
 
     python benchmarks/run_all.py --only gns    # or `make bench`: results.json and the README tables
@@ -23,7 +23,7 @@ import torch
 
 from batchlab.config import Config, load_config
 from batchlab.data import Dataset, build
-from batchlab.training import gns
+from batchlab.training import gns_probes
 from batchlab.training.strategy import Strategy
 from batchlab.training.train import fit
 from common import REPO, Table, progress
@@ -58,13 +58,13 @@ def config(batch_size: int, train: dict[str, Any]) -> Config:
 def train_seconds(cfg: Config, dataset: Dataset, every: int | None, checkpoint: Path) -> float:
     """Seconds of training steps (the epochs' epoch_seconds: no validation or checkpoint)."""
     checkpoint.unlink(missing_ok=True)
-    default = gns.PER_EXAMPLE_EVERY
-    gns.PER_EXAMPLE_EVERY = every or default
+    default = gns_probes.PER_EXAMPLE_EVERY
+    gns_probes.PER_EXAMPLE_EVERY = every or default
     try:
         strategy = Strategy(torch.device("cpu"), grad_accum_steps=cfg.train.grad_accum_steps)
         history = fit(cfg, dataset, strategy, checkpoint=checkpoint).history
     finally:
-        gns.PER_EXAMPLE_EVERY = default
+        gns_probes.PER_EXAMPLE_EVERY = default
     return sum(row["epoch_seconds"] for row in history)
 
 
@@ -74,8 +74,8 @@ def main() -> dict[str, Any]:
     rows = dataset.train.y.shape[0]
     table = Table(
         f"Gradient noise scale cost: fit() {EPOCHS} epochs over {rows} rows, MLP [64, 64], dropout 0.1, AdamW, "
-        f"1 thread, median of {REPEATS}; per-example every {gns.PER_EXAMPLE_EVERY} steps, "
-        f"micro-batches every {gns.MICRO_BATCH_EVERY}",
+        f"1 thread, median of {REPEATS}; per-example every {gns_probes.PER_EXAMPLE_EVERY} steps, "
+        f"micro-batches every {gns_probes.MICRO_BATCH_EVERY}",
         ["batch", "variant", "ms/step", "vs off", "target ≤ +10%"],
     )
     measured: dict[str, Any] = {}
@@ -97,7 +97,7 @@ def main() -> dict[str, Any]:
                 met = ("met" if ratio <= 1 + OVERHEAD_TARGET else "MISSED") if default else ""
                 table.add(batch, name, f"{1000 * median[name] / steps:.3f}", f"{ratio:.3f}×", met)
             measured[str(batch)] = {"steps": steps, "seconds": times, "median_seconds": median}
-    periods = {"per_example_every": gns.PER_EXAMPLE_EVERY, "micro_batch_every": gns.MICRO_BATCH_EVERY}
+    periods = {"per_example_every": gns_probes.PER_EXAMPLE_EVERY, "micro_batch_every": gns_probes.MICRO_BATCH_EVERY}
     return {"tables": [table.as_dict()], "measured": measured, **periods}
 
 

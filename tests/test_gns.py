@@ -15,7 +15,7 @@ from batchlab import stages
 from batchlab.config import Config, load_config
 from batchlab.data import Dataset
 from batchlab.data import load as load_data
-from batchlab.training import gns
+from batchlab.training import gns, gns_probes
 from batchlab.training.gns import NoiseScale
 from batchlab.training.strategy import Strategy
 from batchlab.training.train import TrainResult, fit
@@ -52,7 +52,7 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture
 def every_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """Per-example gradients at every step: a tiny run has too few steps for the default period."""
-    monkeypatch.setattr(gns, "PER_EXAMPLE_EVERY", 1)
+    monkeypatch.setattr(gns_probes, "PER_EXAMPLE_EVERY", 1)
 
 
 @pytest.mark.parametrize("b_small, b_big", [(1, 32), (8, 32), (16, 32)])
@@ -118,8 +118,9 @@ def test_probes_recover_the_exact_noise_scale_of_a_still_model(
 ) -> None:
     # lr 1e-9: the weights (so the true noise scale) stay put while the probe measures them, and
     # a long EMA averages its noise away. accum 1: per-example gradients; 4: micro-batches of 8
-    for name, value in {"PER_EXAMPLE_EVERY": 1, "MICRO_BATCH_EVERY": 1, "DECAY": 0.995}.items():
-        monkeypatch.setattr(gns, name, value)
+    monkeypatch.setattr(gns_probes, "PER_EXAMPLE_EVERY", 1)
+    monkeypatch.setattr(gns_probes, "MICRO_BATCH_EVERY", 1)
+    monkeypatch.setattr(gns, "DECAY", 0.995)
     cfg = tiny_config(train={"epochs": 12, "lr": 1e-9, "schedule": "constant", "grad_accum_steps": accum})
     result = _fit(cfg, tiny_dataset)
     exact = _exact_noise_scale(result.model, tiny_dataset)
@@ -228,7 +229,7 @@ def test_ddp_noise_scale_agrees_with_single_process(repo_copy: Path, monkeypatch
     set_params(repo_copy, "train", epochs=8, gns=True)
     run(["batchlab", "generate"], repo_copy)
     cfg = load_config(repo_copy / "params.yaml")
-    monkeypatch.setattr(gns, "PER_EXAMPLE_EVERY", 1)
+    monkeypatch.setattr(gns_probes, "PER_EXAMPLE_EVERY", 1)
     single = _final(_fit(cfg, load_data(repo_copy / "data/prepared")))
     set_params(repo_copy, "train", strategy="ddp", nproc=2, threads=1)
     run(["batchlab", "train"], repo_copy)
@@ -243,7 +244,7 @@ def test_ddp_noise_scale_agrees_with_single_process(repo_copy: Path, monkeypatch
 @pytest.mark.parametrize(("batch", "every"), [(16, 100), (64, 100), (256, 50), (512, 25), (4096, 5)])
 def test_per_example_period_follows_the_rows_a_step_trains(batch: int, every: int) -> None:
     model = torch.nn.Linear(4, 2)
-    probe = gns.PerExampleProbe(model, torch.nn.functional.cross_entropy)
+    probe = gns_probes.PerExampleProbe(model, torch.nn.functional.cross_entropy)
     probe.after_backward(1, torch.randn(batch, 4), torch.randint(2, (batch,)))
     probe.small(1, 1.0)
     assert probe.every == every  # the same period every run: the measured steps are reproducible

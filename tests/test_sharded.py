@@ -12,7 +12,8 @@ from batchlab.config import ConfigError, load_config
 from batchlab.data import Dataset
 from batchlab.training import launch, resume
 from batchlab.training.checkpoint import SHARDED_META, latest_epoch, sharded_folder
-from batchlab.training.strategy import Strategy, describe
+from batchlab.training.strategy import Strategy
+from batchlab.training.support import describe
 from batchlab.training.train import fingerprint, fit
 from tests.conftest import REPO, tiny_config
 from tests.test_train import StopAfter, _weights

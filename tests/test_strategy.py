@@ -9,7 +9,8 @@ import torch
 
 from batchlab.config import ConfigError
 from batchlab.data import Dataset, build
-from batchlab.training.strategy import Strategy, check_supported, describe
+from batchlab.training.strategy import Strategy
+from batchlab.training.support import check_supported, describe
 from batchlab.training.train import fit
 from tests.conftest import tiny_config
 

@@ -21,7 +21,7 @@ from batchlab.seeds import vectorized
 from batchlab.sweep import groups, probes
 from batchlab.sweep.experiment import Experiment, experiment_config
 from batchlab.sweep.run import run_sweep
-from batchlab.training import gns
+from batchlab.training import gns_probes
 from batchlab.training.strategy import Strategy
 from batchlab.training.train import TrainResult, fit
 from tests.conftest import tiny_config
@@ -59,7 +59,7 @@ def _assert_same(separate: TrainResult, together: TrainResult) -> None:
 @pytest.fixture
 def probe_often(monkeypatch: pytest.MonkeyPatch) -> None:
     """The per-example noise probe every 4th step: a tiny run has too few steps for its default period."""
-    monkeypatch.setattr(gns, "PER_EXAMPLE_EVERY", 4)
+    monkeypatch.setattr(gns_probes, "PER_EXAMPLE_EVERY", 4)
 
 
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))

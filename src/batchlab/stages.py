@@ -118,7 +118,7 @@ def train(
 
 def _check_trainable(cfg: Config, dataset: data.Dataset) -> None:
     """Once, before any process starts or any run opens."""
-    from batchlab.training.strategy import check_supported
+    from batchlab.training.support import check_supported
 
     batch_fits(cfg.train.batch_size, dataset.train.y.shape[0], "train.batch_size")
     check_supported(cfg.train)
@@ -156,7 +156,7 @@ def train_run(
     """The MLflow run of one training, params, datasets and strategy tags logged; a training resumed
     from its checkpoint continues the run of the killed one."""
     from batchlab.training import resume
-    from batchlab.training.strategy import describe
+    from batchlab.training.support import describe
     from batchlab.training.train import fingerprint
 
     tc = cfg.train

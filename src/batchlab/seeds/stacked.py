@@ -28,7 +28,8 @@ from torch.func import stack_module_state
 from batchlab.config import Config
 from batchlab.tracking import Tracker
 from batchlab.training.checkpoint import Checkpoint, Trainee, TrainState
-from batchlab.training.gns import NoiseScale, PerExampleProbe
+from batchlab.training.gns import NoiseScale
+from batchlab.training.gns_probes import PerExampleProbe
 from batchlab.training.strategy import Strategy
 
 

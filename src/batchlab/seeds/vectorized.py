@@ -40,7 +40,8 @@ from batchlab.training.epochs import (
     val_curve_points,
 )
 from batchlab.training.gns import NoiseScale
-from batchlab.training.strategy import Strategy, seeds_train_apart
+from batchlab.training.strategy import Strategy
+from batchlab.training.support import seeds_train_apart
 from batchlab.training.train import (
     TrainResult,
     fingerprint,

@@ -6,7 +6,7 @@ its folder with model.pt, history.csv, val_curve.csv, train.json and result.json
 runs are opened once the group has trained: MLflow keeps one active run per thread, so sibling
 child runs cannot be open at once, and a model is logged into the active run.
 
-Where seeds cannot train together (strategy.seeds_train_apart: ddp, fp16/bf16, accumulation,
+Where seeds cannot train together (support.seeds_train_apart: ddp, fp16/bf16, accumulation,
 CUDA) or `sweep.vectorize_seeds` is false, each experiment trains alone, as before.
 """
 
@@ -23,7 +23,8 @@ from batchlab.seeds.vectorized import trains_together
 from batchlab.sweep import experiment
 from batchlab.sweep.experiment import Experiment
 from batchlab.training import threads
-from batchlab.training.strategy import seeds_train_apart, session
+from batchlab.training.strategy import session
+from batchlab.training.support import seeds_train_apart
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

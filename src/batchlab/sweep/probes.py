@@ -6,7 +6,8 @@ from __future__ import annotations
 from batchlab import data
 from batchlab.config import Config, parse_config
 from batchlab.training import memory
-from batchlab.training.strategy import Strategy, resolve_device
+from batchlab.training.strategy import Strategy
+from batchlab.training.support import resolve_device
 
 # The probe's epochs; it reports the fastest (a busy machine only ever slows an epoch down). Measured
 # here, 4 reruns each: the median of 3 epochs swung ±15% (batch 64: 64k-86k samples/s) and flipped

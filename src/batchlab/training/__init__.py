@@ -3,11 +3,14 @@
     train       fit(): set-up -> loop -> result; early stopping, best epoch
     epochs      what every epoch does and reports: the seeding rule, statistics, the non-finite guard
     strategy    device, DDP/FSDP, precision, micro-batching, decided once (Strategy)
+    support     what this machine can run, from the config alone, before any process starts
     sharded     FSDP2: fully_shard, the norm from shards, DCP checkpoints
     checkpoint  atomic per-epoch checkpoints, exact resume
     resume      a resumed training continues its MLflow run
-    gns         the gradient noise scale B_simple: estimators, EMAs, the probes
+    gns         the gradient noise scale B_simple: estimators, EMAs
+    gns_probes  its small batches: per-example gradients, micro-batches, a DDP hook
     memory      the tensor peak of one training step
+    peaks       the process's peak memory (CUDA allocations or RSS)
     launch      torchrun; which threads each stage's process applies
     threads     the thread policy: cores a process may use, torch threads, the spawn pool
     loopback    torchrun with every socket on 127.0.0.1 on one machine

@@ -61,6 +61,13 @@ def rank_store(rank: int, world_size: int, port: int, timeout: dt.timedelta) -> 
     return _store(port, hosts, world_size=world_size, timeout=timeout, multi_tenant=True)
 
 
+def init_process_group(backend: str, rank: int, world_size: int, timeout: dt.timedelta) -> None:
+    """This rank's process group: on one machine over a store on 127.0.0.1 only; across machines
+    through torch's env:// rendezvous (a store on every interface, which other machines reach)."""
+    store = rank_store(rank, world_size, int(os.environ["MASTER_PORT"]), timeout) if requested() else None
+    dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world_size)
+
+
 def _agent_store(host_name: str, port: int, *, is_master: bool = False, **kwargs: Any) -> dist.TCPStore:
     # host_name is the rendezvous endpoint's host, "localhost" under --standalone
     return _store(port, is_master, **kwargs) if is_master else dist.TCPStore(host_name, port, **kwargs)

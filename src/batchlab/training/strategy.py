@@ -3,7 +3,8 @@
 Every member is safe to call whatever the settings: `autocast()` is a null context in
 fp32, the scaler is disabled unless fp16, `prepare` and `setup` return the model itself on one
 process, `unwrap` returns what is saved and exported. Outside this module only launch.py (how
-ranks start) branches on the strategy; FSDP's parts live in sharded.py.
+ranks start) branches on the strategy; FSDP's parts live in sharded.py, and what this machine can
+run, decided from the config before any process starts, in support.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import datetime as dt
 import logging
 import math
 import os
-import resource
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,9 +26,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import get_total_norm
 
-from batchlab.config import ConfigError, TrainConfig
+from batchlab.config import TrainConfig
+from batchlab.training import peaks
 from batchlab.training.checkpoint import Checkpoint, sharded_folder
-from batchlab.training.gns import CommHookProbe, LossFn, MicroBatchProbe, NoiseScale, PerExampleProbe
+from batchlab.training.gns import NoiseScale
+from batchlab.training.gns_probes import CommHookProbe, LossFn, MicroBatchProbe, PerExampleProbe, probe_for
+from batchlab.training.support import resolve_device
 
 if TYPE_CHECKING:
     from batchlab.training.sharded import ShardedCheckpoint
@@ -36,47 +39,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def resolve_device(cfg: TrainConfig) -> torch.device:
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device is cuda but torch sees no CUDA device; use cpu or auto")
-    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    return torch.device("cuda")
-
-
-def check_supported(cfg: TrainConfig) -> None:
-    """Reject settings this machine cannot run, before any process is started."""
-    device = resolve_device(cfg)
-    if device.type != "cuda":
-        return
-    if cfg.strategy != "single" and cfg.nproc > torch.cuda.device_count():
-        raise ConfigError(f"train.nproc ({cfg.nproc}) is more than the CUDA devices here ({torch.cuda.device_count()})")
-    if cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("train.precision bf16 is not supported by this GPU; use fp16 or fp32")
-    if cfg.precision == "fp16" and torch.cuda.get_device_capability() < (5, 3):
-        raise ConfigError("train.precision fp16 needs a GPU of compute capability 5.3 or newer; use fp32")
-
-
-def describe(cfg: TrainConfig) -> dict[str, str]:
-    """The strategy as run tags: what the launcher decides, before any rank exists."""
-    return {"strategy": cfg.strategy, "precision": cfg.precision, "device": resolve_device(cfg).type,
-            "world_size": str(cfg.world_size())}  # fmt: skip
-
-
-def seeds_train_apart(cfg: TrainConfig) -> str | None:
-    """Why the seeds of one sweep group cannot train together in one vectorized model
-    (seeds/vectorized.py), or None when they can: one process, fp32, no accumulation, on the CPU."""
-    if cfg.strategy != "single":  # fsdp on one process still keeps sharded (DCP) checkpoints
-        return f"train.strategy {cfg.strategy} with {cfg.world_size()} ranks trains one model per process group"
-    if cfg.precision != "fp32":
-        return f"train.precision {cfg.precision}: the vectorized path is checked equal to separate runs in fp32 only"
-    if cfg.grad_accum_steps > 1:
-        return "train.grad_accum_steps > 1: the vectorized path takes one batch per step"
-    if resolve_device(cfg).type != "cpu":
-        return "a CUDA device: the vectorized path is checked equal to separate runs on the CPU only"
-    return None
 
 
 class CollectiveTimeout(RuntimeError):
@@ -126,17 +88,8 @@ class Strategy:
             if not dist.is_initialized():
                 from batchlab.training import loopback
 
-                timeout = dt.timedelta(seconds=cfg.dist_timeout_s)
-                store = None  # torch's env:// rendezvous: a store on every interface, other machines reach it
-                if loopback.requested():  # one machine: a store on 127.0.0.1 only
-                    store = loopback.rank_store(rank, world_size, int(os.environ["MASTER_PORT"]), timeout)
-                dist.init_process_group(
-                    backend="nccl" if device.type == "cuda" else "gloo",
-                    timeout=timeout,
-                    store=store,
-                    rank=rank,
-                    world_size=world_size,
-                )
+                backend = "nccl" if device.type == "cuda" else "gloo"
+                loopback.init_process_group(backend, rank, world_size, dt.timedelta(seconds=cfg.dist_timeout_s))
         return cls(device, cfg.precision, rank, local_rank, world_size, float(cfg.dist_timeout_s),
                    cfg.grad_accum_steps, sharded=cfg.strategy == "fsdp")  # fmt: skip
 
@@ -197,7 +150,7 @@ class Strategy:
         (~25% of a small model's step). DDP: the wrapped model, which owns its gradient buckets.
         FSDP: the model `prepare` sharded.
 
-        With an enabled `noise`, every step also measures the gradient noise scale into it (gns.py):
+        With an enabled `noise`, every step also measures the gradient noise scale into it (gns.py, gns_probes.py):
         the two batch sizes are one rank's rows vs the global batch under DDP, a micro-batch vs the
         batch with accumulation, otherwise single examples (gradients of `loss_fn`) vs the batch.
         Not under FSDP: a rank's own gradient exists only inside FSDP's reduce-scatter."""
@@ -226,10 +179,7 @@ class Strategy:
             offset += p.numel()
         self._flat_grads = flat
         if self._noise is not None:
-            accumulates = self.grad_accum_steps > 1
-            self._probe = (
-                MicroBatchProbe(flat, self.grad_accum_steps) if accumulates else PerExampleProbe(model, loss_fn)
-            )
+            self._probe = probe_for(model, flat, self.grad_accum_steps, loss_fn)
         return model
 
     def micro_batches(self, net: nn.Module, batch: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -325,20 +275,11 @@ class Strategy:
 
     def reset_peak_memory(self) -> None:
         """Start a fresh peak: a sweep runs experiments one after another in one process."""
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        with contextlib.suppress(OSError):
-            Path("/proc/self/clear_refs").write_text("5")  # Linux: resets VmHWM to the current RSS
+        peaks.reset(self.device)
 
     def peak_memory_mb(self) -> float:
         """Peak CUDA allocation, or the process's peak resident memory (RSS) on CPU."""
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**20
-        with contextlib.suppress(OSError, ValueError, StopIteration):
-            status = Path("/proc/self/status").read_text().splitlines()
-            return int(next(line for line in status if line.startswith("VmHWM:")).split()[1]) / 1024
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+        return peaks.peak_mb(self.device)
 
     def close(self) -> None:
         if self.is_distributed and dist.is_initialized():
