@@ -67,6 +67,13 @@ def predictions_csv(y_true: np.ndarray, y_pred: np.ndarray, class_names: list[st
 def score_test_split(model_path: Path, dataset: Dataset) -> tuple[dict[str, float], np.ndarray, list[str]]:
     """Test-split metrics of a saved model; also its predictions and class names."""
     model, class_names = load_model(model_path)
+    return score_model(model, class_names, dataset)
+
+
+def score_model(
+    model: torch.nn.Module, class_names: list[str], dataset: Dataset
+) -> tuple[dict[str, float], np.ndarray, list[str]]:
+    """Test-split metrics of a model on the CPU, in eval mode; also its predictions and class names."""
     with torch.no_grad():
         proba = torch.softmax(model(torch.from_numpy(dataset.test.x)), dim=1).numpy()
     y_pred = proba.argmax(1)

@@ -10,8 +10,10 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +25,8 @@ from batchlab.training import launch, threads
 from batchlab.validate import batch_fits
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from batchlab.training.train import TrainResult
 
 log = logging.getLogger(__name__)
@@ -49,8 +53,9 @@ def generate(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
 
 def train_worker(
     cfg: Config, paths: Paths, tracker: tracking.Tracker | None = None, dataset: data.Dataset | None = None
-) -> None:
-    """One training process: the only one, or one rank under torchrun. Rank 0 writes the outputs."""
+) -> TrainResult | None:
+    """One training process: the only one, or one rank under torchrun. Rank 0 writes the outputs
+    and returns the result; the other ranks return None."""
     from batchlab.training.strategy import session
     from batchlab.training.train import fit
 
@@ -65,8 +70,10 @@ def train_worker(
         with strategy.collective_errors():
             result = fit(cfg, dataset, strategy, tracker, checkpoint=paths.checkpoint)
         tracker.flush()
-        if strategy.is_main:
-            write_trained(cfg, paths, result, dataset)
+        if not strategy.is_main:
+            return None
+        write_trained(cfg, paths, result, dataset)
+        return result
 
 
 def write_trained(cfg: Config, paths: Paths, result: TrainResult, dataset: data.Dataset) -> None:
@@ -112,8 +119,8 @@ def train(
         _check_trainable(cfg, dataset)
         launch.launch(cfg.train, _rank_args(cfg, paths), paths.root, run_id=None)
         return {}
-    with training(cfg, paths, dataset, parent_run_id, name, tags) as (_, info):
-        return info
+    with training(cfg, paths, dataset, parent_run_id, name, tags) as (_, trained):
+        return trained.info
 
 
 def _check_trainable(cfg: Config, dataset: data.Dataset) -> None:
@@ -132,16 +139,17 @@ def training(
     parent_run_id: str | None = None,
     name: str | None = None,
     tags: dict[str, str] | None = None,
-) -> Iterator[tuple[tracking.Tracker, dict[str, Any]]]:
-    """Train and log the model, then yield the run, still open, with train.json's contents: what the
-    caller adds (a sweep experiment's scores) is recorded before the run ends FINISHED."""
+) -> Iterator[tuple[tracking.Tracker, Trained]]:
+    """Train and log the model, then yield the run, still open, with the training handed on: what
+    the caller adds (a sweep experiment's scores) is recorded before the run ends FINISHED."""
     _check_trainable(cfg, dataset)
     with train_run(cfg, paths, dataset, parent_run_id, name, tags) as tracker:
+        result = None
         if launch.uses_torchrun(cfg.train):
             launch.launch(cfg.train, _rank_args(cfg, paths), paths.root, tracker.run_id)
         else:
-            train_worker(cfg, paths, tracker, dataset)
-        yield tracker, log_trained(tracker, paths, dataset)
+            result = train_worker(cfg, paths, tracker, dataset)
+        yield tracker, log_trained(tracker, paths, dataset, result)
 
 
 @contextlib.contextmanager
@@ -175,8 +183,22 @@ def train_run(
     resume.forget(paths.checkpoint)
 
 
-def log_trained(tracker: tracking.Tracker, paths: Paths, dataset: data.Dataset) -> dict[str, Any]:
-    """Log the trained model and its history into the training's run; write and return train.json."""
+@dataclass(frozen=True)
+class Trained:
+    """A finished training, handed on in memory: train.json's contents, the saved model (model.pt,
+    loaded once, on the CPU) and the history and val curve (the result's, or under torchrun the
+    files rank 0 wrote)."""
+
+    info: dict[str, Any]
+    model: nn.Module
+    history: list[dict[str, float]]
+    val_curve: list[dict[str, float]]
+
+
+def log_trained(
+    tracker: tracking.Tracker, paths: Paths, dataset: data.Dataset, result: TrainResult | None = None
+) -> Trained:
+    """Log the trained model and its history into the training's run; write train.json."""
     from batchlab.model import load_model
 
     model, _ = load_model(paths.model)
@@ -185,7 +207,12 @@ def log_trained(tracker: tracking.Tracker, paths: Paths, dataset: data.Dataset) 
     info = {"run_id": tracker.run_id, "model_uri": model_uri,
             **json.loads((paths.reports / "train_summary.json").read_text())}  # fmt: skip
     atomic.write_json(paths.run_info, info)
-    return info
+    if result is not None:
+        return Trained(info, model, result.history, result.val_curve)
+    history = [{k: float(v) for k, v in row.items()} for row in atomic.read_csv(paths.reports / "history.csv")]
+    curve_file = paths.reports / "val_curve.csv"
+    curve = atomic.read_csv(curve_file) if curve_file.is_file() else []
+    return Trained(info, model, history, [{k: float(v) if v else math.nan for k, v in r.items()} for r in curve])
 
 
 def _run_info(paths: Paths) -> dict[str, Any]:

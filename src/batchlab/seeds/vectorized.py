@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from batchlab import collector
-from batchlab.config import Config
+from batchlab.config import Config, TrainConfig
 from batchlab.data import Dataset
 from batchlab.seeds.optimizer import SeedOptimizer
 from batchlab.seeds.stacked import Seed, StackedModels
@@ -107,28 +107,9 @@ def fit_seeds(
         orders = torch.stack([epoch_order(s.cfg.train.seed, epoch, n_train) for s in seeds]).to(strategy.device)
         for seed in seeds:
             seed.dropout.manual_seed(dropout_seed(seed.cfg.train.seed, epoch, strategy.rank))
-        losses: list[torch.Tensor] = []  # S per step, seed by seed
-        norms: list[torch.Tensor] = []
-        scored: list[tuple[int, torch.Tensor]] = []
-        scoring_seconds = 0.0
-        started = time.perf_counter()
-        for step in range(steps):
-            rows = orders[:, step * tc.batch_size : (step + 1) * tc.batch_size]
-            # index_select: the same rows as x_train[rows], at a fraction of advanced indexing's cost
-            inputs = x_train.index_select(0, rows.flatten()).view(*rows.shape, -1)
-            targets = y_train.index_select(0, rows.flatten()).view(rows.shape)
-            losses += group.backward(inputs, targets)
-            norms.append(group.measure())
-            optimizer.step(group.stepping(norms[-1]))
-            done = epoch * steps + step + 1
-            if tc.eval_every_steps and done % tc.eval_every_steps == 0:
-                scoring = time.perf_counter()
-                logits = group.predict(x_val)
-                scored.append((done, torch.stack([F.cross_entropy(out, y_val) for out in logits])))
-                scoring_seconds += time.perf_counter() - scoring
+        losses, norms, scored, wall = _epoch(tc, epoch, orders, group, optimizer, (x_train, y_train), (x_val, y_val))
         active = [s for s in seeds if s.active]
-        # the group's time, shared by the seeds it trained: their epoch_seconds add up to the wall time
-        seconds = (time.perf_counter() - started - scoring_seconds) / len(active)
+        seconds = wall / len(active)  # shared by the seeds it trained: their epoch_seconds add up to the wall time
         logits = group.predict(x_val)
         step_losses, step_norms = torch.stack(losses).view(-1, len(seeds)), torch.stack(norms)
         for i, seed in enumerate(seeds):
@@ -142,6 +123,41 @@ def fit_seeds(
         log.info("epoch %d/%d, %d seeds: val_loss %s", epoch + 1, tc.epochs, len(active),
                  " ".join(f"{s.state.history[-1]['val_loss']:.4f}" for s in active))  # fmt: skip
     return [_result(seed, dataset, strategy) for seed in seeds]
+
+
+def _epoch(
+    tc: TrainConfig,
+    epoch: int,
+    orders: torch.Tensor,
+    group: StackedModels,
+    optimizer: SeedOptimizer,
+    train: tuple[torch.Tensor, torch.Tensor],
+    val: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[int, torch.Tensor]], float]:
+    """One epoch's steps of every seed at once, as `fit`'s epoch: the losses (S per step, seed by
+    seed), the norms, the val losses scored within it, and its seconds without that scoring."""
+    (x_train, y_train), (x_val, y_val) = train, val
+    steps = steps_per_epoch(y_train.shape[0], tc.batch_size)
+    losses: list[torch.Tensor] = []
+    norms: list[torch.Tensor] = []
+    scored: list[tuple[int, torch.Tensor]] = []
+    scoring_seconds = 0.0
+    started = time.perf_counter()
+    for step in range(steps):
+        rows = orders[:, step * tc.batch_size : (step + 1) * tc.batch_size]
+        # index_select: the same rows as x_train[rows], at a fraction of advanced indexing's cost
+        inputs = x_train.index_select(0, rows.flatten()).view(*rows.shape, -1)
+        targets = y_train.index_select(0, rows.flatten()).view(rows.shape)
+        losses += group.backward(inputs, targets)
+        norms.append(group.measure())
+        optimizer.step(group.stepping(norms[-1]))
+        done = epoch * steps + step + 1
+        if tc.eval_every_steps and done % tc.eval_every_steps == 0:
+            scoring = time.perf_counter()
+            logits = group.predict(x_val)
+            scored.append((done, torch.stack([F.cross_entropy(out, y_val) for out in logits])))
+            scoring_seconds += time.perf_counter() - scoring
+    return losses, norms, scored, time.perf_counter() - started - scoring_seconds
 
 
 def _restore(

@@ -92,11 +92,16 @@ def code_hash() -> str:
 
 
 def fingerprint(cfg: Config, exp: Experiment, data_hash: str) -> str:
-    return f"{experiment_config(cfg, exp).section_hash('model', 'train')}-{data_hash}-{code_hash()}"
+    """An experiment's key: its params, the data and the code that measured it."""
+    return key_of(experiment_config(cfg, exp), data_hash)
 
 
-def _floats(rows: list[dict[str, str]], key: str) -> list[float]:
-    return [float(row[key]) if row.get(key) not in (None, "") else math.nan for row in rows]
+def key_of(exp_cfg: Config, data_hash: str) -> str:
+    return f"{exp_cfg.section_hash('model', 'train')}-{data_hash}-{code_hash()}"
+
+
+def _floats(rows: list[dict[str, float]], key: str) -> list[float]:
+    return [float(row[key]) if key in row else math.nan for row in rows]
 
 
 # a child run's own figures, under keys of their own (`summary.*`): logged under the per-epoch
@@ -135,13 +140,12 @@ def experiment_tags(exp: Experiment, key: str) -> dict[str, str]:
 
 
 def stored_result(
-    cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None, data_hash: str
+    cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None, key: str
 ) -> dict[str, Any] | None:
     """The result of an experiment that finished already: its result.json, else the row its FINISHED
     child run stored (its worker died after finishing, before the sweep collected it; or it ran in
     another worker's folder). None when it is still to train; then its unfinished attempts, wherever
-    they ran, are ended KILLED, so that exactly one FINISHED run will hold it."""
-    key = fingerprint(cfg, exp, data_hash)
+    they ran, are ended KILLED, so that exactly one FINISHED run will hold it. `key`: its fingerprint."""
     path = experiment_paths(paths, exp).outputs / "result.json"
     found = read_result(path, key)
     if found is not None:
@@ -164,24 +168,37 @@ def train_and_score(cfg: Config, exp: Experiment, paths: stages.Paths, parent_ru
     """Train and test one experiment in its own folder, unless it finished already; returns its result row."""
     started = time.perf_counter()
     dataset = data.load(paths.data)
-    data_hash = dataset.content_hash()
-    done = stored_result(cfg, exp, paths, parent_run_id, data_hash)
+    exp_cfg = experiment_config(cfg, exp)  # built once: the run's params, the key, the probes
+    key = key_of(exp_cfg, dataset.content_hash())
+    done = stored_result(cfg, exp, paths, parent_run_id, key)
     if done is not None:
         return done
     exp_paths = experiment_paths(paths, exp)
-    exp_cfg = experiment_config(cfg, exp)
-    tags = experiment_tags(exp, fingerprint(cfg, exp, data_hash))
-    with stages.training(exp_cfg, exp_paths, dataset, parent_run_id, f"sweep-{exp.name}", tags) as (tracker, info):
-        result = score(cfg, exp, paths, info, dataset, time.perf_counter() - started, tracker)
+    tags = experiment_tags(exp, key)
+    with stages.training(exp_cfg, exp_paths, dataset, parent_run_id, f"sweep-{exp.name}", tags) as (tracker, trained):
+        measured = measure(cfg, exp_cfg, dataset, trained.history)
+        result = score(exp, key, trained, dataset, measured, time.perf_counter() - started, tracker)
     return keep(paths, exp, result)
 
 
+def measure(cfg: Config, exp_cfg: Config, dataset: data.Dataset, history: list[dict[str, float]]) -> dict[str, float]:
+    """The experiment's speed and step memory. Its own epochs' medians (one epoch slowed by a busy
+    machine should not move the comparison), or, when seeds train together, one training alone at
+    its batch size and lr (probes.solo_speed: a seed's share of its group's time would flatter
+    small batches). The step memory is measured once per batch size (probes.step_memory)."""
+    if trains_together(cfg):
+        speed = probes.solo_speed(exp_cfg, dataset)
+    else:
+        speed = {k: statistics.median(h[k] for h in history) for k in ("samples_per_s", "epoch_seconds")}
+    return {**speed, "step_memory_mib": probes.step_memory(exp_cfg, dataset.n_features, dataset.n_classes)}
+
+
 def score(
-    cfg: Config,
     exp: Experiment,
-    paths: stages.Paths,
-    info: dict[str, Any],
+    key: str,
+    trained: stages.Trained,
     dataset: data.Dataset,
+    measured: dict[str, float],
     seconds: float,
     tracker: Tracker,
 ) -> dict[str, Any]:
@@ -189,29 +206,21 @@ def score(
     returns the row (`keep` writes it once the run has ended).
     `seconds`: its training's wall time so far (what is not train_seconds is overhead)."""
     started = time.perf_counter() - seconds
-    exp_paths = experiment_paths(paths, exp)
-    exp_cfg = experiment_config(cfg, exp)
-    history = [{k: float(v) for k, v in row.items()} for row in atomic.read_csv(exp_paths.reports / "history.csv")]
-    curve = atomic.read_csv(exp_paths.reports / "val_curve.csv")
-    test, _, _ = evaluate.score_test_split(exp_paths.model, dataset)
+    history, curve = trained.history, trained.val_curve
+    test, _, _ = evaluate.score_model(trained.model, dataset.class_names, dataset)
     train_seconds = sum(h["epoch_seconds"] for h in history)
-    # read before the probes, which reset the process's RSS peak
-    peak_rss = max(h["peak_memory_mb"] for h in history)
-    if trains_together(cfg):  # a seed's share of its group's time: see probes.solo_speed
-        speed = probes.solo_speed(exp_cfg, dataset)
-    else:  # medians: one epoch slowed by a busy machine should not move the comparison
-        speed = {k: statistics.median(h[k] for h in history) for k in ("samples_per_s", "epoch_seconds")}
     result = {
         **asdict(exp),
         "name": exp.name,
-        "fingerprint": fingerprint(cfg, exp, dataset.content_hash()),
-        "run_id": info.get("run_id"),
+        "fingerprint": key,
+        "run_id": trained.info.get("run_id"),
         "test_accuracy": test["accuracy"],
         "test_f1_macro": test["f1_macro"],
-        **speed,
+        "samples_per_s": measured["samples_per_s"],
+        "epoch_seconds": measured["epoch_seconds"],
         "train_seconds": train_seconds,
-        "step_memory_mib": probes.step_memory(exp_cfg, dataset.n_features, dataset.n_classes),
-        "peak_rss_mib": peak_rss,
+        "step_memory_mib": measured["step_memory_mib"],
+        "peak_rss_mib": max(h["peak_memory_mb"] for h in history),
         "grad_norm_mean": statistics.fmean(h["grad_norm_mean"] for h in history),
         "gns_b_simple": history[-1].get("gns.b_simple", math.nan),
         "curve_steps": [int(v) for v in _floats(curve, "step")],

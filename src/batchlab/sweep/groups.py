@@ -68,7 +68,8 @@ def train_group(cfg: Config, exps: list[Experiment], paths: stages.Paths, parent
     data_hash = dataset.content_hash()
     results: dict[str, Any] = {}
     for exp in exps:  # finished already: a task Dask runs again, a resumed sweep
-        done = experiment.stored_result(cfg, exp, paths, parent_run_id, data_hash)
+        key = experiment.fingerprint(cfg, exp, data_hash)
+        done = experiment.stored_result(cfg, exp, paths, parent_run_id, key)
         if done is not None:
             results[exp.name] = done
     exps = [exp for exp in exps if exp.name not in results]
@@ -94,22 +95,23 @@ def _train_together(
         threads.use_threads(cfg.train.threads)
     log.info("sweep: %s train together", ", ".join(exp.name for exp in exps))
     with session(cfgs[0].train) as strategy:
-        trained = vectorized.fit_seeds(cfgs, dataset, strategy, checkpoints=[f.checkpoint for f in folders])
+        fitted = vectorized.fit_seeds(cfgs, dataset, strategy, checkpoints=[f.checkpoint for f in folders])
     share = (time.perf_counter() - started) / len(exps)  # each seed's part of the group's wall time
     results = {}
     data_hash = dataset.content_hash()
-    for exp, exp_cfg, folder, result in zip(exps, cfgs, folders, trained, strict=True):
+    for exp, exp_cfg, folder, result in zip(exps, cfgs, folders, fitted, strict=True):
         begun = time.perf_counter()
-        key = experiment.fingerprint(cfg, exp, data_hash)
+        key = experiment.key_of(exp_cfg, data_hash)
         tags = {**experiment.experiment_tags(exp, key), "sweep.trained_with_seeds": str(len(exps))}
         with stages.train_run(exp_cfg, folder, dataset, parent_run_id, f"sweep-{exp.name}", tags) as tracker:
             for row in result.history:  # every epoch, a resumed group's earlier ones too
                 tracker.log_epoch(row, step=int(row["epoch"]))
             tracker.flush()
             stages.write_trained(exp_cfg, folder, result, dataset)
-            info = stages.log_trained(tracker, folder, dataset)
+            trained = stages.log_trained(tracker, folder, dataset, result)
+            measured = experiment.measure(cfg, exp_cfg, dataset, trained.history)
             seconds = share + time.perf_counter() - begun
-            scored = experiment.score(cfg, exp, paths, info, dataset, seconds, tracker)
+            scored = experiment.score(exp, key, trained, dataset, measured, seconds, tracker)
         results[exp.name] = experiment.keep(paths, exp, scored)
     return results
 
