@@ -25,7 +25,6 @@ from prefect.tasks import exponential_backoff
 
 from batchlab import orchestration, stages
 from batchlab.config import Config
-from batchlab.training import launch
 
 RETRY = {
     "retries": 2,
@@ -44,22 +43,17 @@ def generate(cfg: Config, root: str) -> dict[str, Any]:
 def train(cfg: Config, root: str) -> dict[str, Any]:
     tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_name": str(flow_run.flow_name)}
     paths = stages.Paths(Path(root))
-    launch.apply_stage_threads("train", cfg, paths.data)  # as `batchlab train` does
     return stages.train(cfg, paths, tags=tags)
 
 
 @task(name="evaluate", **RETRY)  # type: ignore[call-overload]
 def evaluate(cfg: Config, root: str) -> dict[str, float]:
-    paths = stages.Paths(Path(root))
-    launch.apply_stage_threads("evaluate", cfg, paths.data)  # as `batchlab evaluate` does
-    return stages.evaluate(cfg, paths)
+    return stages.evaluate(cfg, stages.Paths(Path(root)))
 
 
 @task(name="export", **RETRY)  # type: ignore[call-overload]
 def export(cfg: Config, root: str) -> dict[str, Any]:
-    paths = stages.Paths(Path(root))
-    launch.apply_stage_threads("export", cfg, paths.data)  # as `batchlab export` does
-    return stages.export(cfg, paths)
+    return stages.export(cfg, stages.Paths(Path(root)))
 
 
 @flow(name="batchlab-pipeline", log_prints=True)

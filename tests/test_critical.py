@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -24,7 +25,7 @@ def test_fit_recovers_b_crit_s_min_and_e_min_exactly_on_synthetic_data() -> None
     assert math.isnan(fit.b_crit_low)  # one value per batch size: no interval to state
 
 
-def test_bootstrap_interval_over_seeds_brackets_b_crit_and_is_reproducible() -> None:
+def test_interval_over_seeds_brackets_b_crit_and_is_reproducible() -> None:
     noise = {0: 0.95, 1: 1.0, 2: 1.05}
     points = [(b, round(_steps(b) * noise[seed])) for b in (16, 32, 64, 128, 256, 512) for seed in noise]
     fit = critical.fit(points)
@@ -54,3 +55,35 @@ def test_auto_target_is_reached_by_every_curve() -> None:
     assert target == pytest.approx(0.45 * 1.02)
     assert all(critical.first_reach(list(range(len(c))), c, target) is not None for c in curves)
     assert critical.first_reach([10, 20], [0.5, 0.4], 0.3) is None
+
+
+# the default study's spread: the seed-to-seed coefficient of variation of the steps to the target
+# at batch 16 ... 512 (from its committed table: 810 ± 317, 376 ± 143, 237 ± 15, 130 ± 30, 82 ± 9,
+# 61 ± 20 over 3 seeds), on an exact hyperbola with its fitted S_min and B_crit
+SPREAD = {16: 0.158, 32: 0.153, 64: 0.025, 128: 0.093, 256: 0.044, 512: 0.132}
+
+
+def _simulated_study(rng: random.Random, seeds: int) -> list[tuple[int, int | None]]:
+    return [
+        (b, max(1, round(_steps(b, 38.7, 303.0) * (1 + cv * rng.gauss(0, 1)))))
+        for b, cv in SPREAD.items()
+        for _ in range(seeds)
+    ]
+
+
+@pytest.mark.parametrize("seeds", [3, 5])
+def test_the_95_interval_covers_the_true_b_crit_in_at_least_93_percent_of_simulated_studies(seeds: int) -> None:
+    rng, covered, studies = random.Random(seeds), 0, 200
+    for _ in range(studies):
+        fit = critical.fit(_simulated_study(rng, seeds))
+        covered += isinstance(fit, critical.Fit) and fit.b_crit_low <= 303.0 <= fit.b_crit_high
+    assert covered / studies >= 0.93, f"covered {covered} of {studies}"
+
+
+def test_the_20_percent_excess_batch_is_exact_on_the_hyperbola() -> None:
+    # S(B)·B / (S(B0)·B0) = (B + B_crit) / (B0 + B_crit): it reaches 1.2 at B = 1.2·B0 + 0.2·B_crit
+    points = [(b, _steps(b, 40.0, 250.0)) for b in (16, 32, 64, 128, 256, 512)]
+    assert critical.excess_batch(points) == pytest.approx(1.2 * 16 + 0.2 * 250.0, rel=1e-12)  # 69.2
+    assert math.isnan(critical.excess_batch([(b, 1000 / b) for b in (16, 32, 64)]))  # perfect scaling
+    fit = critical.fit(points)  # type: ignore[arg-type]
+    assert isinstance(fit, critical.Fit) and fit.b_excess == pytest.approx(69.2, rel=1e-12)

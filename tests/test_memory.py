@@ -9,6 +9,7 @@ import torch
 
 from batchlab.config import Config
 from batchlab.study.memory_fit import largest_batch_within
+from batchlab.training import gns_probes
 from batchlab.training.memory import step_memory_mib
 
 CPU = torch.device("cpu")
@@ -33,6 +34,19 @@ def test_step_memory_counts_weights_gradients_adam_state_and_batch_within_a_sane
     bound = 4 * N_PARAMS * 4 + 4 * N_TENSORS + batch_size * 8 * 4 * sum(WIDTHS)
     measured = step_memory_mib(CFG, FEATURES, CLASSES, batch_size, CPU) * 2**20
     assert counted < measured < bound, (counted, measured, bound)
+
+
+@pytest.mark.parametrize("batch_size", [16, 512])
+def test_a_step_the_noise_probe_measures_counts_its_per_example_gradients(batch_size: int) -> None:
+    plain = step_memory_mib(CFG, FEATURES, CLASSES, batch_size, CPU) * 2**20
+    probing = step_memory_mib(CFG, FEATURES, CLASSES, batch_size, CPU, probing=True) * 2**20
+    # vmap(grad) holds one float32 gradient of every parameter for each of its rows at once, beside
+    # the weights, gradients and AdamW's two states; it runs after the backward has freed the
+    # activations, so at a large batch the backward's peak can still be the step's
+    rows = min(batch_size, gns_probes.PER_EXAMPLE_ROWS)
+    assert probing >= max(plain, 4 * N_PARAMS * 4 + rows * N_PARAMS * 4), (plain, probing)
+    if batch_size == 16:
+        assert probing > 2 * plain, (plain, probing)  # the probe's gradients dwarf a small batch
 
 
 def test_step_memory_is_the_same_figure_twice() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import random
+import statistics
 
 import pytest
 
@@ -35,3 +37,44 @@ def test_one_seed_says_no_ranking_can_be_trusted() -> None:
     result = verdict.decide({16: {0: 0.96}, 32: {0: 0.97}}, {16: 2.0, 32: None}, {16: 1e4, 32: 2e4}, n_test=600)
     assert "no difference can be told from noise" in result.text
     assert result.recommended == 16  # 32 never reached the target
+
+
+def test_paired_p_value_is_the_paired_t_test() -> None:
+    from scipy.stats import t
+
+    a, b = {0: 0.95, 1: 0.96, 2: 0.94, 3: 0.97}, {0: 0.93, 1: 0.95, 2: 0.935, 3: 0.94}
+    diffs = [a[s] - b[s] for s in a]
+    stat = statistics.fmean(diffs) / (statistics.stdev(diffs) / math.sqrt(len(diffs)))
+    assert verdict.paired_p_value(a, b) == pytest.approx(2 * t.sf(abs(stat), len(diffs) - 1), rel=1e-12)
+    assert math.isnan(verdict.paired_p_value({0: 0.9}, {0: 0.8}))  # one pair: no test
+
+
+def test_holm_steps_down_and_stops_at_the_first_kept_hypothesis() -> None:
+    # m = 4: thresholds 0.0125, 0.0167, 0.025, 0.05
+    p = {(1, 2): 0.010, (1, 3): 0.016, (1, 4): 0.030, (2, 3): 0.020}
+    assert verdict.holm(p) == set(p)  # 0.010, 0.016, 0.020, 0.030: each under its threshold
+    p[(2, 3)] = 0.026
+    assert verdict.holm(p) == {(1, 2), (1, 3)}  # 0.026 > 0.025 stops it: 0.030 is kept though < 0.05
+    assert verdict.holm({(1, 2): 0.04}) == {(1, 2)} and verdict.holm({(1, 2): math.nan}) == set()
+
+
+def test_indistinguishable_batch_sizes_are_almost_never_called_worse() -> None:
+    """200 simulated studies, 6 batch sizes x 3 seeds with no true difference (a shared seed
+    effect plus noise at the default study's spread): at least 95% call none worse."""
+    rng = random.Random(0)
+    batches, seeds, called = [16, 32, 64, 128, 256, 512], [0, 1, 2], 0
+    for _ in range(200):
+        seed_effect = {s: rng.gauss(0, 0.006) for s in seeds}
+        f1 = {b: {s: 0.96 + seed_effect[s] + rng.gauss(0, 0.006) for s in seeds} for b in batches}
+        result = verdict.decide(f1, dict.fromkeys(batches, 1.0), dict.fromkeys(batches, 1e4), n_test=600)
+        called += len(result.tied) < len(batches)
+    assert called <= 10, f"{called} of 200 null studies called a batch size worse"
+
+
+def test_a_clear_drop_over_five_seeds_is_called_worse_despite_the_correction() -> None:
+    rng = random.Random(1)
+    drop = {16: 0.0, 32: 0.0, 64: -0.002, 128: -0.004, 256: -0.02, 512: -0.04}
+    f1 = {b: {s: 0.96 + d + rng.gauss(0, 0.002) for s in range(5)} for b, d in drop.items()}
+    result = verdict.decide(f1, dict.fromkeys(drop, 1.0), dict.fromkeys(drop, 1e4), n_test=600)
+    assert {256, 512} <= set(drop) - set(result.tied)
+    assert "Holm's correction over all 15 pairwise comparisons" in result.text

@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> None:
 
         quiet_mlflow()
     paths = stages.Paths(out=args.out)
-    if args.stage != "generate":  # generate runs no torch
+    if args.stage == "sweep":  # train, evaluate and export apply their own
         launch.apply_stage_threads(args.stage, cfg, paths.data)
     if args.stage == "generate":
         stages.generate(cfg, paths)

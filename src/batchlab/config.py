@@ -144,7 +144,9 @@ class SweepConfig(Section):
         "sqrt", description="scale train.lr by batch_size / train.batch_size with this rule"
     )
     epochs: PositiveInt | None = Field(None, description="epochs per experiment (default: train.epochs)")
-    seeds: list[int] = Field([0, 1, 2], description="one experiment per batch size and seed (3+ for a CI)")
+    seeds: list[int] = Field(
+        [0, 1, 2, 3, 4], description="one experiment per batch size and seed (3+ for a CI, 5 to tell batch sizes apart)"
+    )
     parallel: PositiveInt = Field(1, description="experiments at once, each in its own process")
     vectorize_seeds: bool = Field(
         True,

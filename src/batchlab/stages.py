@@ -114,6 +114,7 @@ def train(
     dataset: data.Dataset | None = None,
 ) -> dict[str, Any]:
     """Train on the prepared data, in this process or, under `strategy: ddp|fsdp`, on ranks started by torchrun."""
+    launch.apply_stage_threads("train", cfg, paths.data)  # the CLI and the flows alike
     dataset = dataset or data.load(paths.data)
     if cfg.train.node_rank > 0:  # another machine's ranks: node 0 tracks and writes every output
         _check_trainable(cfg, dataset)
@@ -223,6 +224,7 @@ def _run_info(paths: Paths) -> dict[str, Any]:
 def evaluate(cfg: Config, paths: Paths = Paths()) -> dict[str, float]:
     from batchlab import evaluate as scoring  # scikit-learn: ~1 s to import, needed when scoring only
 
+    launch.apply_stage_threads("evaluate", cfg, paths.data)
     dataset = data.load(paths.data)
     metrics, y_pred, class_names = scoring.score_test_split(paths.model, dataset)
     y_true = dataset.test.y
@@ -250,6 +252,7 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
     from batchlab.inference import predict, quantize
     from batchlab.model import load_model
 
+    launch.apply_stage_threads("export", cfg, paths.data)
     dataset = data.load(paths.data)
     model, _ = load_model(paths.model)
     run_id = _run_info(paths).get("run_id")

@@ -26,6 +26,7 @@ FIGURES = (
     "seconds_to_target",
     "samples_per_s",
     "step_memory_mib",
+    "step_memory_plain_mib",
     "gns_b_simple_at_target",
     "grad_norm_mean",
     "peak_rss_mib",
@@ -121,6 +122,11 @@ class Study:
             out.update(b_crit=self.fit.b_crit, s_min=self.fit.s_min, e_min=self.fit.e_min, fit_r2=self.fit.r2)
             if math.isfinite(self.fit.b_crit_low):
                 out.update(b_crit_ci95_low=self.fit.b_crit_low, b_crit_ci95_high=self.fit.b_crit_high)
+            if math.isfinite(self.fit.b_excess):
+                out["b_excess20"] = self.fit.b_excess
+            for key, value in (("low", self.fit.b_excess_low), ("high", self.fit.b_excess_high)):
+                if math.isfinite(value):
+                    out[f"b_excess20_ci95_{key}"] = value
             if math.isfinite(self.b_simple) and self.b_simple > 0:
                 out["b_crit_over_b_simple"] = self.fit.b_crit / self.b_simple
         if math.isfinite(self.b_simple):

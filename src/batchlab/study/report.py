@@ -45,6 +45,23 @@ def table(study: Study) -> str:
     return header + "\n".join(lines) + "\n"
 
 
+def _bound(value: float) -> str:
+    return f"{value:.0f}" if math.isfinite(value) else "beyond the largest batch"
+
+
+def _excess_text(fit: critical.Fit) -> str:
+    """The 20%-excess critical batch size (Zhang et al., ICLR 2025), read from the same points."""
+    name = "20%-excess critical batch size (where the steps exceed perfect scaling from the smallest batch by 20%)"
+    if not math.isfinite(fit.b_excess):
+        return f"The {name}: beyond the largest batch size measured."
+    interval = (
+        f" (95% interval {_bound(fit.b_excess_low)}–{_bound(fit.b_excess_high)}, the same draws)"
+        if math.isfinite(fit.b_excess_low)
+        else ""
+    )
+    return f"The {name}: {fit.b_excess:.0f}{interval}."
+
+
 def critical_text(study: Study, lr_scaling: str, base_batch: int, optimizer: str, epochs: int) -> str:
     fit = study.fit
     lines = [f"Target: val loss ≤ {study.target:.4f}: {study.target_rule}."]
@@ -55,7 +72,8 @@ def critical_text(study: Study, lr_scaling: str, base_batch: int, optimizer: str
         lines.append(f"No critical batch size: {fit.reason}.")
     else:
         interval = (
-            f" (95% CI {fit.b_crit_low:.0f}–{fit.b_crit_high:.0f}, bootstrap over seeds)"
+            f" (95% interval {fit.b_crit_low:.0f}–{fit.b_crit_high:.0f}: each batch size's mean steps drawn "
+            "from its Student-t interval over seeds, the line refitted 1000 times)"
             if math.isfinite(fit.b_crit_low)
             else " (one seed: no interval)"
         )
@@ -67,6 +85,7 @@ def critical_text(study: Study, lr_scaling: str, base_batch: int, optimizer: str
             "(perfect scaling); above it the steps level off toward S_min while the examples, i.e. the "
             "compute, grow (diminishing returns)."
         )
+        lines.append(_excess_text(fit))
     if math.isfinite(study.b_simple):
         ratio = f"; B_crit / B_simple = {fit.b_crit / study.b_simple:.2f}" if isinstance(fit, critical.Fit) else ""
         lines.append(
@@ -116,10 +135,20 @@ def markdown(study: Study, context: dict[str, Any]) -> str:
         parts.append(extra + "\n")
     parts.append(
         "Every figure is a mean ± the half-width of its 95% confidence interval over seeds. Step memory is the "
-        "tensor peak of one training step (parameters, gradients, optimizer state, activations); peak RSS is the "
-        "whole process, set mostly by the torch runtime.\n"
+        "tensor peak of the largest training step (parameters, gradients, optimizer state, the step's rows, "
+        f"activations, and the noise probe's per-example gradients on the steps it measures){_plain_memory(study)}; "
+        "peak RSS is the whole process, set mostly by the torch runtime.\n"
     )
     return "\n".join(parts)
+
+
+def _plain_memory(study: Study) -> str:
+    """The step memory without the noise probe, where it differs: summary.csv has it per batch size."""
+    plain = [r.get("step_memory_plain_mib_mean", math.nan) for r in study.rows]
+    peak = [r["step_memory_mib_mean"] for r in study.rows]
+    if not all(math.isfinite(p) for p in plain) or plain == peak:
+        return ""
+    return f"; without the probe {min(plain):.3f}–{max(plain):.3f} MiB (step_memory_plain_mib in summary.csv)"
 
 
 def write(study: Study, folder: Path, context: dict[str, Any]) -> str:

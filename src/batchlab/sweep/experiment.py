@@ -185,12 +185,13 @@ def measure(cfg: Config, exp_cfg: Config, dataset: data.Dataset, history: list[d
     """The experiment's speed and step memory. Its own epochs' medians (one epoch slowed by a busy
     machine should not move the comparison), or, when seeds train together, one training alone at
     its batch size and lr (probes.solo_speed: a seed's share of its group's time would flatter
-    small batches). The step memory is measured once per batch size (probes.step_memory)."""
+    small batches). The step memory, with and without the noise probe, is measured once per batch
+    size (probes.step_memory)."""
     if trains_together(cfg):
         speed = probes.solo_speed(exp_cfg, dataset)
     else:
         speed = {k: statistics.median(h[k] for h in history) for k in ("samples_per_s", "epoch_seconds")}
-    return {**speed, "step_memory_mib": probes.step_memory(exp_cfg, dataset.n_features, dataset.n_classes)}
+    return {**speed, **probes.step_memory(exp_cfg, dataset.n_features, dataset.n_classes)}
 
 
 def score(
@@ -220,6 +221,7 @@ def score(
         "epoch_seconds": measured["epoch_seconds"],
         "train_seconds": train_seconds,
         "step_memory_mib": measured["step_memory_mib"],
+        "step_memory_plain_mib": measured["step_memory_plain_mib"],
         "peak_rss_mib": max(h["peak_memory_mb"] for h in history),
         "grad_norm_mean": statistics.fmean(h["grad_norm_mean"] for h in history),
         "gns_b_simple": history[-1].get("gns.b_simple", math.nan),

@@ -15,18 +15,26 @@ from batchlab.training.support import resolve_device
 # ~1.5 s more per study
 SPEED_EPOCHS = 10
 
-_STEP_MEMORY: dict[str, float] = {}
+_STEP_MEMORY: dict[str, dict[str, float]] = {}
 _SOLO_SPEED: dict[str, dict[str, float]] = {}
 
 
-def step_memory(cfg: Config, n_features: int, n_classes: int) -> float:
-    """The tensor peak of one step: the same for every seed and lr, so measured once per batch size."""
+def step_memory(cfg: Config, n_features: int, n_classes: int) -> dict[str, float]:
+    """The tensor peak of the largest step training takes (`step_memory_mib`: one on which the noise
+    probe measures, when train.gns is on) and of a step without it (`step_memory_plain_mib`). The
+    same for every seed and lr, so measured once per batch size."""
     raw = cfg.model_dump()
     raw["train"].update(seed=0, lr=1.0)  # neither moves the memory
     key = parse_config(raw).section_hash("model", "train") + f"-{n_features}-{n_classes}"
     if key not in _STEP_MEMORY:
         batch = cfg.train.batch_size // cfg.train.world_size()  # one process's share
-        _STEP_MEMORY[key] = memory.step_memory_mib(cfg, n_features, n_classes, batch, resolve_device(cfg.train))
+        device = resolve_device(cfg.train)
+        plain = memory.step_memory_mib(cfg, n_features, n_classes, batch, device)
+        probing = memory.step_memory_mib(cfg, n_features, n_classes, batch, device, probing=True)
+        _STEP_MEMORY[key] = {
+            "step_memory_mib": max(plain, probing) if cfg.train.gns else plain,
+            "step_memory_plain_mib": plain,
+        }
     return _STEP_MEMORY[key]
 
 

@@ -114,13 +114,14 @@ class MicroBatchProbe:
 
 
 def probe_for(
-    model: nn.Module, flat_grads: torch.Tensor, micro_batches: int, loss_fn: LossFn
+    model: nn.Module, flat_grads: torch.Tensor, micro_batches: int, loss_fn: LossFn, every: int | None = None
 ) -> PerExampleProbe | MicroBatchProbe:
     """One process's probe: the micro-batches against the batch under accumulation, otherwise
-    single examples' gradients (of `loss_fn`) against the batch. DDP's is CommHookProbe."""
+    single examples' gradients (of `loss_fn`) against the batch. DDP's is CommHookProbe.
+    `every`: measure every this many steps (default: each probe's own period)."""
     if micro_batches > 1:
-        return MicroBatchProbe(flat_grads, micro_batches)
-    return PerExampleProbe(model, loss_fn)
+        return MicroBatchProbe(flat_grads, micro_batches, every)
+    return PerExampleProbe(model, loss_fn, every)
 
 
 class CommHookProbe:

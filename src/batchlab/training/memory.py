@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from batchlab.config import Config
+from batchlab.training.gns import NoiseScale
 from batchlab.training.strategy import Strategy
 from batchlab.training.train import initial_model, make_optimizer
 
@@ -24,52 +25,61 @@ MIB = 2**20
 _MEASURED = "batchlab.training.memory.measured_step"
 
 
-def step_memory_mib(cfg: Config, n_features: int, n_classes: int, batch_size: int, device: torch.device) -> float:
+def step_memory_mib(
+    cfg: Config, n_features: int, n_classes: int, batch_size: int, device: torch.device, probing: bool = False
+) -> float:
     """Peak tensor memory of one training step of `batch_size` rows, in MiB: parameters, gradients,
-    optimizer state, the batch and the activations (not the dataset, not the runtime's own memory).
+    optimizer state, the step's copy of its rows and the activations (not the dataset, not the
+    runtime's own memory). `probing`: a step on which the noise probe measures (per-example
+    gradients, or the micro-batches' norms), the largest step training takes when train.gns is on.
 
-    The step is train.py's (cross-entropy, train.precision, train.grad_accum_steps) in one process:
-    under DDP a rank holds batch_size / world_size rows, so pass that. A warm-up step creates the
-    optimizer state, the second step is measured. Inputs are seeded random rows of the right shape.
+    The step is train.py's (its rows copied from the resident train split, cross-entropy,
+    train.precision, train.grad_accum_steps) in one process: under DDP a rank holds batch_size /
+    world_size rows, so pass that. A warm-up step creates the optimizer state, the second step is
+    measured. The rows are seeded random values of the right shape.
     """
-    if device.type == "cuda":
-        return _cuda_peak_bytes(cfg, n_features, n_classes, batch_size, device) / MIB
-    return _cpu_peak_bytes(cfg, n_features, n_classes, batch_size) / MIB
-
-
-def _trainer(cfg: Config, n_features: int, n_classes: int, batch_size: int, device: torch.device) -> Callable[[], None]:
-    """The model, optimizer and a batch on `device`, and a function that runs one training step."""
-    strategy = Strategy(device, cfg.train.precision, grad_accum_steps=cfg.train.grad_accum_steps)
-    model = initial_model(cfg, n_features, n_classes).to(device)
-    optimizer = make_optimizer(cfg.train, model.parameters())
-    net = strategy.setup(model)
-    net.train()
     gen = torch.Generator().manual_seed(cfg.train.seed)
+    # the train split, resident before training starts (as in fit): not the step's memory
     x = torch.randn(batch_size, n_features, generator=gen).to(device)
     y = torch.randint(n_classes, (batch_size,), generator=gen).to(device)
-    rows = torch.arange(batch_size, device=device)
+    if device.type == "cuda":
+        return _cuda_peak_bytes(cfg, x, y, n_classes, probing) / MIB
+    return _cpu_peak_bytes(cfg, x, y, n_classes, probing) / MIB
+
+
+def _trainer(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, probing: bool) -> Callable[[], None]:
+    """The model and optimizer on x's device, and a function that runs one training step over x's rows."""
+    device = x.device
+    strategy = Strategy(device, cfg.train.precision, grad_accum_steps=cfg.train.grad_accum_steps)
+    model = initial_model(cfg, x.shape[1], n_classes).to(device)
+    optimizer = make_optimizer(cfg.train, model.parameters())
+    noise = NoiseScale(enabled=probing, population=10 * x.shape[0])  # N: only the estimate uses it
+    net = strategy.setup(model, noise if probing else None, F.cross_entropy, probe_every=1)
+    net.train()
+    rows = torch.arange(x.shape[0], device=device)
 
     def step() -> None:  # the body of train.fit's step loop
         for part in strategy.micro_batches(net, rows):
+            inputs, targets = x[part], y[part]
             with strategy.autocast():
-                loss = F.cross_entropy(net(x[part]), y[part])
-            strategy.backward(loss, x[part], y[part])
+                loss = F.cross_entropy(net(inputs), targets)
+            strategy.backward(loss, inputs, targets)
         strategy.step(optimizer)
 
     return step
 
 
-def _cpu_peak_bytes(cfg: Config, n_features: int, n_classes: int, batch_size: int) -> int:
+def _cpu_peak_bytes(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, probing: bool) -> int:
     """Peak of the live bytes allocated since profiling began, during the measured step.
 
     Each "[memory]" event carries the signed bytes of one allocation or free; their running sum is
-    the live total. Everything (model, optimizer, batch) is built inside the profiler, so nothing of
-    the step was allocated before it. Not the trace's "Total Allocated": a process-wide counter that
+    the live total. The model and optimizer are built inside the profiler, so nothing of the step
+    was allocated before it. Not the trace's "Total Allocated": a process-wide counter that
     keeps the bytes of earlier profiling sessions that were freed while no profiler was running.
     """
     gc.collect()  # a leftover from an earlier session freed mid-profile would subtract bytes never added
     with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step = _trainer(cfg, n_features, n_classes, batch_size, torch.device("cpu"))
+        step = _trainer(cfg, x, y, n_classes, probing)
         step()
         with record_function(_MEASURED):
             step()
@@ -102,9 +112,10 @@ def _native_stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
-def _cuda_peak_bytes(cfg: Config, n_features: int, n_classes: int, batch_size: int, device: torch.device) -> int:
+def _cuda_peak_bytes(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, probing: bool) -> int:
+    device = x.device
     before = torch.cuda.memory_allocated(device)  # other tensors of this process: not the step's
-    step = _trainer(cfg, n_features, n_classes, batch_size, device)
+    step = _trainer(cfg, x, y, n_classes, probing)
     step()
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)

@@ -144,7 +144,13 @@ class Strategy:
         folder = sharded_folder(path) if path is not None else None
         return sharded.ShardedCheckpoint(folder, fingerprint, self.rank, self.world_size)
 
-    def setup(self, model: nn.Module, noise: NoiseScale | None = None, loss_fn: LossFn = F.cross_entropy) -> nn.Module:
+    def setup(
+        self,
+        model: nn.Module,
+        noise: NoiseScale | None = None,
+        loss_fn: LossFn = F.cross_entropy,
+        probe_every: int | None = None,
+    ) -> nn.Module:
         """Ready `model` (on the device) for training: what the loop calls forward on. One process:
         every gradient becomes a view of one flat buffer, so the norm and the zeroing are one op each
         (~25% of a small model's step). DDP: the wrapped model, which owns its gradient buckets.
@@ -153,7 +159,8 @@ class Strategy:
         With an enabled `noise`, every step also measures the gradient noise scale into it (gns.py, gns_probes.py):
         the two batch sizes are one rank's rows vs the global batch under DDP, a micro-batch vs the
         batch with accumulation, otherwise single examples (gradients of `loss_fn`) vs the batch.
-        Not under FSDP: a rank's own gradient exists only inside FSDP's reduce-scatter."""
+        Not under FSDP: a rank's own gradient exists only inside FSDP's reduce-scatter.
+        `probe_every`: how often one process's probe measures (the step memory probe: every step)."""
         self.reset_peak_memory()
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._flat_grads = None
@@ -179,7 +186,7 @@ class Strategy:
             offset += p.numel()
         self._flat_grads = flat
         if self._noise is not None:
-            self._probe = probe_for(model, flat, self.grad_accum_steps, loss_fn)
+            self._probe = probe_for(model, flat, self.grad_accum_steps, loss_fn, probe_every)
         return model
 
     def micro_batches(self, net: nn.Module, batch: torch.Tensor) -> Iterator[torch.Tensor]:
