@@ -109,6 +109,12 @@ def prefect_call(api: str, call: Callable[[Any], Any]) -> Any:
         return asyncio.run(go())
 
 
+def default_sigint() -> None:
+    """A child's Ctrl-C as in a terminal: a shell script's background job starts with SIGINT
+    ignored, and Python keeps an ignored SIGINT (no KeyboardInterrupt). Popen(preexec_fn=...)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def env_with_venv(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("MLFLOW_TRACKING_URI", None)

@@ -179,17 +179,24 @@ def test_busy_cores_sees_a_process_spinning_on_a_core() -> None:
 
 def test_busy_cores_leaves_out_this_processs_own_threads() -> None:
     """A thread of this process spinning on a core is not a competitor: auto would give up a thread for it.
-    Counted, it reads ~1 core; the bound leaves half a core for other processes on a shared machine."""
+    Counted, it reads ~1 core more than without it. Other processes' load is measured in the same
+    rounds, without the spinner, so a busy machine moves both readings alike: the quietest round with
+    the spinner must not exceed the busiest round without it by half a core."""
     stop = threading.Event()
 
     def spin() -> None:
         while not stop.is_set():
             pass
 
-    spinner = threading.Thread(target=spin, daemon=True)
-    spinner.start()
-    try:
-        assert threads.busy_cores(window_s=0.5) < 0.5
-    finally:
-        stop.set()
-        spinner.join()
+    without, with_spinner = [], []
+    for _ in range(3):
+        without.append(threads.busy_cores(window_s=0.3))
+        spinner = threading.Thread(target=spin, daemon=True)
+        spinner.start()
+        try:
+            with_spinner.append(threads.busy_cores(window_s=0.3))
+        finally:
+            stop.set()
+            spinner.join()
+            stop.clear()
+    assert min(with_spinner) < max(without) + 0.5, (with_spinner, without)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from tests.conftest import env_with_venv, run, set_params, wait_until
+from tests.conftest import default_sigint, env_with_venv, run, set_params, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -187,7 +187,9 @@ def test_ctrl_c_exits_130_keeps_the_checkpoint_and_ends_the_run_killed(repo_copy
     set_params(repo_copy, "tracking", enabled=True)
     run(["batchlab", "generate"], repo_copy)
     checkpoint = repo_copy / ".batchlab/checkpoints/train.pt"
-    proc = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env_with_venv(), stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        ["batchlab", "train"], cwd=repo_copy, env=env_with_venv(), stderr=subprocess.PIPE, preexec_fn=default_sigint
+    )
     wait_until(lambda: torch.load(checkpoint, weights_only=True)["state"]["epoch"] >= 2, "epoch 2", process=proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
