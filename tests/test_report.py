@@ -95,3 +95,12 @@ def test_report_files_state_cis_units_and_the_assumptions(tmp_path: Path) -> Non
     points = atomic.read_csv(tmp_path / "steps_vs_examples.csv")
     assert len(points) == 9 and int(points[0]["examples"]) == int(points[0]["steps"]) * int(points[0]["batch_size"])
     json.dumps(found.figures())  # plain numbers: sweep.json and MLflow metrics
+
+
+def test_undefined_noise_scale_readings_are_counted_and_left_out_of_the_median(tmp_path: Path) -> None:
+    results = [_result(b, seed) for b in (16, 64, 256) for seed in (0, 1)]
+    results[0]["curve_b_simple"] = [math.nan for _ in results[0]["curve_steps"]]  # bs16-seed0: no reading
+    results[1]["curve_b_simple"] = [400.0 for _ in results[1]["curve_steps"]]
+    found = analysis.analyse(results, n_test=600, target_val_loss=0.2, memory_budget_mb=None)
+    assert found.b_simple == 200.0 and found.figures()["b_simple_unread_at_target"] == 1  # median of 400 and 4 x 200
+    assert "undefined in 1 of the experiments that reached it" in report.write(found, tmp_path, _context())

@@ -108,6 +108,9 @@ class Study:
     verdict: Verdict
     n_test: int
     budget_batch: int | None  # the largest batch predicted to fit sweep.memory_budget_mb
+    # experiments that reached the target whose noise-scale reading there is undefined (no probe
+    # yet, or an estimate of |G|² at or below zero): left out of b_simple, and counted
+    b_simple_unread: int = 0
 
     def figures(self) -> dict[str, float | int]:
         """The headline numbers: `dvc metrics show`, the parent run's metrics."""
@@ -131,6 +134,7 @@ class Study:
                 out["b_crit_over_b_simple"] = self.fit.b_crit / self.b_simple
         if math.isfinite(self.b_simple):
             out["b_simple_at_target"] = self.b_simple
+        out["b_simple_unread_at_target"] = self.b_simple_unread
         if self.budget_batch is not None:
             out["largest_batch_within_budget"] = self.budget_batch
         return out
@@ -151,7 +155,8 @@ def analyse(
     kept = [reach(r, target) for r in kept]
     rows = aggregate(kept)
     fit = critical.fit([(r["batch_size"], r["steps_to_target"]) for r in kept])
-    at_target = _finite([r["gns_b_simple_at_target"] for r in kept])
+    readings = [r["gns_b_simple_at_target"] for r in kept if r["steps_to_target"] is not None]
+    at_target = _finite(readings)
     b_simple = statistics.median(at_target) if at_target else math.nan
     f1: dict[int, dict[int, float]] = defaultdict(dict)
     for r in kept:
@@ -165,4 +170,5 @@ def analyse(
     if memory_budget_mb is not None:
         points = [(row["batch_size"], row["step_memory_mib_mean"]) for row in rows]
         budget_batch = largest_batch_within(memory_budget_mb, points)
-    return Study(kept, rows, lr_choice, target, rule, fit, b_simple, verdict, n_test, budget_batch)
+    unread = len(readings) - len(at_target)
+    return Study(kept, rows, lr_choice, target, rule, fit, b_simple, verdict, n_test, budget_batch, unread)

@@ -86,12 +86,20 @@ def critical_text(study: Study, lr_scaling: str, base_batch: int, optimizer: str
             "compute, grow (diminishing returns)."
         )
         lines.append(_excess_text(fit))
+    unread = (
+        f"; undefined in {study.b_simple_unread} of the experiments that reached it (no probe yet, or an "
+        "estimate of |G|² at or below zero), which are left out"
+        if study.b_simple_unread
+        else ""
+    )
     if math.isfinite(study.b_simple):
         ratio = f"; B_crit / B_simple = {fit.b_crit / study.b_simple:.2f}" if isinstance(fit, critical.Fit) else ""
         lines.append(
-            f"Gradient noise scale at the target: B_simple = {study.b_simple:.0f} (median over experiments){ratio}. "
-            "McCandlish et al. find B_crit ≈ B_simple to within an order of magnitude."
+            f"Gradient noise scale at the target: B_simple = {study.b_simple:.0f} (median over experiments"
+            f"{unread}){ratio}. McCandlish et al. find B_crit ≈ B_simple to within an order of magnitude."
         )
+    elif study.b_simple_unread:
+        lines.append(f"Gradient noise scale at the target: not read{unread}.")
     lines.append(
         f"What biases it: the lr is scaled by the {lr_scaling} rule from train.lr at batch {base_batch} "
         "(a rule that under-scales large batches inflates their steps); the optimizer is "
