@@ -35,8 +35,7 @@ def step_memory(cfg: Config, n_features: int, n_classes: int) -> dict[str, float
     if key not in _STEP_MEMORY:
         batch = cfg.train.batch_size // cfg.train.world_size()  # one process's share
         device = resolve_device(cfg.train)
-        plain = memory.step_memory_mib(cfg, n_features, n_classes, batch, device)
-        probing = memory.step_memory_mib(cfg, n_features, n_classes, batch, device, probing=True)
+        plain, probing = memory.step_memories(cfg, n_features, n_classes, batch, device)
         _STEP_MEMORY[key] = {
             "step_memory_mib": max(plain, probing) if cfg.train.gns else plain,
             "step_memory_plain_mib": plain,

@@ -23,38 +23,50 @@ from batchlab.training.train import initial_model, make_optimizer
 
 MIB = 2**20
 _MEASURED = "batchlab.training.memory.measured_step"
+_PROBING = "batchlab.training.memory.probing_step"
+PROBING_STEP = 3  # warm-up (1), the step the probe skips (2), the step it measures (3)
 
 
 def step_memory_mib(
     cfg: Config, n_features: int, n_classes: int, batch_size: int, device: torch.device, probing: bool = False
 ) -> float:
-    """Peak tensor memory of one training step of `batch_size` rows, in MiB: parameters, gradients,
-    optimizer state, the step's copy of its rows and the activations (not the dataset, not the
-    runtime's own memory). `probing`: a step on which the noise probe measures (per-example
-    gradients, or the micro-batches' norms), the largest step training takes when train.gns is on.
+    """Peak tensor memory of one training step of `batch_size` rows, in MiB (see `step_memories`);
+    `probing`: of a step on which the noise probe measures."""
+    plain, with_probe = step_memories(cfg, n_features, n_classes, batch_size, device)
+    return with_probe if probing else plain
+
+
+def step_memories(
+    cfg: Config, n_features: int, n_classes: int, batch_size: int, device: torch.device
+) -> tuple[float, float]:
+    """Peak tensor memory, in MiB, of a training step of `batch_size` rows (parameters, gradients,
+    optimizer state, the step's copy of its rows and the activations; not the dataset, not the
+    runtime's own memory), and of a step on which the noise probe measures (per-example gradients,
+    or the micro-batches' norms): the largest step training takes when train.gns is on.
 
     The step is train.py's (its rows copied from the resident train split, cross-entropy,
     train.precision, train.grad_accum_steps) in one process: under DDP a rank holds batch_size /
-    world_size rows, so pass that. A warm-up step creates the optimizer state, the second step is
-    measured. The rows are seeded random values of the right shape.
+    world_size rows, so pass that. A warm-up step creates the optimizer state; the second step
+    (the probe skips it) and the third (the probe measures) are measured, in one profiling session.
+    The rows are seeded random values of the right shape.
     """
     gen = torch.Generator().manual_seed(cfg.train.seed)
     # the train split, resident before training starts (as in fit): not the step's memory
     x = torch.randn(batch_size, n_features, generator=gen).to(device)
     y = torch.randint(n_classes, (batch_size,), generator=gen).to(device)
-    if device.type == "cuda":
-        return _cuda_peak_bytes(cfg, x, y, n_classes, probing) / MIB
-    return _cpu_peak_bytes(cfg, x, y, n_classes, probing) / MIB
+    peaks = _cuda_peaks(cfg, x, y, n_classes) if device.type == "cuda" else _cpu_peaks(cfg, x, y, n_classes)
+    return peaks[0] / MIB, peaks[1] / MIB
 
 
-def _trainer(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, probing: bool) -> Callable[[], None]:
-    """The model and optimizer on x's device, and a function that runs one training step over x's rows."""
+def _trainer(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int) -> Callable[[], None]:
+    """The model and optimizer on x's device, and a function that runs one training step over x's
+    rows; the noise probe measures on every PROBING_STEP-th call."""
     device = x.device
     strategy = Strategy(device, cfg.train.precision, grad_accum_steps=cfg.train.grad_accum_steps)
     model = initial_model(cfg, x.shape[1], n_classes).to(device)
     optimizer = make_optimizer(cfg.train, model.parameters())
-    noise = NoiseScale(enabled=probing, population=10 * x.shape[0])  # N: only the estimate uses it
-    net = strategy.setup(model, noise if probing else None, F.cross_entropy, probe_every=1)
+    noise = NoiseScale(enabled=True, population=10 * x.shape[0])  # N: only the estimate uses it
+    net = strategy.setup(model, noise, F.cross_entropy, probe_every=PROBING_STEP)
     net.train()
     rows = torch.arange(x.shape[0], device=device)
 
@@ -69,8 +81,8 @@ def _trainer(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, prob
     return step
 
 
-def _cpu_peak_bytes(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, probing: bool) -> int:
-    """Peak of the live bytes allocated since profiling began, during the measured step.
+def _cpu_peaks(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int) -> tuple[int, int]:
+    """Peaks of the live bytes allocated since profiling began, during the two measured steps.
 
     Each "[memory]" event carries the signed bytes of one allocation or free; their running sum is
     the live total. The model and optimizer are built inside the profiler, so nothing of the step
@@ -79,22 +91,25 @@ def _cpu_peak_bytes(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: in
     """
     gc.collect()  # a leftover from an earlier session freed mid-profile would subtract bytes never added
     with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step = _trainer(cfg, x, y, n_classes, probing)
+        step = _trainer(cfg, x, y, n_classes)
         step()
         with record_function(_MEASURED):
+            step()
+        with record_function(_PROBING):
             step()
     # the raw events: prof.events() folds each allocation into the op that made it, losing the order
     assert prof.profiler is not None and prof.profiler.kineto_results is not None
     events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
-    window = next(e for e in events if e.name() == _MEASURED)
-    live = peak = 0
+    windows = [next(e for e in events if e.name() == name) for name in (_MEASURED, _PROBING)]
+    live, peaks = 0, [0, 0]
     for event in events:
         if event.name() != "[memory]":
             continue
         live += event.nbytes()
-        if window.start_ns() <= event.start_ns() <= window.end_ns():
-            peak = max(peak, live)
-    return peak
+        for k, window in enumerate(windows):
+            if window.start_ns() <= event.start_ns() <= window.end_ns():
+                peaks[k] = max(peaks[k], live)
+    return peaks[0], peaks[1]
 
 
 @contextlib.contextmanager
@@ -112,13 +127,16 @@ def _native_stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
-def _cuda_peak_bytes(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, probing: bool) -> int:
+def _cuda_peaks(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int) -> tuple[int, int]:
     device = x.device
     before = torch.cuda.memory_allocated(device)  # other tensors of this process: not the step's
-    step = _trainer(cfg, x, y, n_classes, probing)
+    step = _trainer(cfg, x, y, n_classes)
     step()
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    step()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    peaks = []
+    for _ in range(2):  # the step the probe skips, then the one it measures
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        peaks.append(torch.cuda.max_memory_allocated(device) - before)
+    return peaks[0], peaks[1]
