@@ -164,3 +164,18 @@ def test_the_architecture_page_names_every_module() -> None:
     words = set(re.findall(r"[a-z_]+", page))
     unnamed = sorted(m for m in _graph() if m != "batchlab" and m.rpartition(".")[2] not in words)
     assert unnamed == [], f"docs/architecture.md does not name: {unnamed}"
+
+
+def test_no_module_over_300_lines_and_no_function_over_70() -> None:
+    long_modules = {
+        str(f.relative_to(SRC)): n for f in _modules().values() if (n := len(f.read_text().splitlines())) > 300
+    }
+    long_functions = {
+        f"{file.relative_to(SRC)}:{node.name}": node.end_lineno - node.lineno + 1
+        for file in _modules().values()
+        for node in ast.walk(ast.parse(file.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > 70
+    }
+    assert long_modules == {} and long_functions == {}, (long_modules, long_functions)

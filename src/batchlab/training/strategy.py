@@ -154,13 +154,11 @@ class Strategy:
         """Ready `model` (on the device) for training: what the loop calls forward on. One process:
         every gradient becomes a view of one flat buffer, so the norm and the zeroing are one op each
         (~25% of a small model's step). DDP: the wrapped model, which owns its gradient buckets.
-        FSDP: the model `prepare` sharded.
-
-        With an enabled `noise`, every step also measures the gradient noise scale into it (gns.py, gns_probes.py):
-        the two batch sizes are one rank's rows vs the global batch under DDP, a micro-batch vs the
-        batch with accumulation, otherwise single examples (gradients of `loss_fn`) vs the batch.
-        Not under FSDP: a rank's own gradient exists only inside FSDP's reduce-scatter.
-        `probe_every`: how often one process's probe measures (the step memory probe: every step)."""
+        FSDP: the model `prepare` sharded. With an enabled `noise`, steps also measure the gradient
+        noise scale into it (gns.py; its probes, gns_probes.py, every `probe_every` steps if given):
+        one rank's rows vs the global batch under DDP, a micro-batch vs the batch with accumulation,
+        otherwise single examples (gradients of `loss_fn`) vs the batch. Not under FSDP: a rank's
+        own gradient exists only inside FSDP's reduce-scatter."""
         self.reset_peak_memory()
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._flat_grads = None
