@@ -86,6 +86,7 @@ def test_report_files_state_cis_units_and_the_assumptions(tmp_path: Path) -> Non
         "memory_vs_batch.png",
         "steps_vs_examples.png",
         "val_loss_curves.png",
+        "noise_scale_curves.png",
     ):
         assert (tmp_path / name).stat().st_size > 0, name  # fmt: skip
     assert "step memory (MiB)" in text and "peak RSS (MiB)" in text and " ± " in text

@@ -68,6 +68,7 @@ def test_sweep_records_parent_children_and_report(workdir: Path) -> None:
     assert {p.name for p in folder.iterdir()} >= {
         "summary.csv", "summary.md", "curves.csv", "sweep.json", "steps_vs_examples.csv", "f1_vs_batch.png",
         "throughput_vs_batch.png", "memory_vs_batch.png", "steps_vs_examples.png", "val_loss_curves.png",
+        "noise_scale_curves.png",
     }  # fmt: skip
     table = atomic.read_csv(folder / "summary.csv")
     assert [int(r["batch_size"]) for r in table] == [16, 32, 64]

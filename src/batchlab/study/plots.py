@@ -113,7 +113,44 @@ def val_curves(study: Study, folder: Path) -> None:
     _save(fig, folder / "val_loss_curves.png")
 
 
+def noise_scale_curves(study: Study, folder: Path) -> None:
+    """The measured B_simple over training, against examples seen: each batch size's mean over its
+    seeds at each scored step where any seed has a reading, the target's crossing marked."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    drawn = False
+    for i, batch in enumerate(sorted(study.lr_choice)):
+        runs = [r for r in study.results if r["batch_size"] == batch]
+        by_step: dict[int, list[float]] = {}
+        for r in runs:
+            for step, value in zip(r["curve_steps"], r["curve_b_simple"], strict=True):
+                if value == value and value > 0:  # a reading: finite and positive
+                    by_step.setdefault(step, []).append(value)
+        if not by_step:
+            continue
+        steps = sorted(by_step)
+        ax.plot([s * batch for s in steps], [sum(by_step[s]) / len(by_step[s]) for s in steps],
+                color=f"C{i % 10}", lw=0.9, label=f"batch {batch}")  # fmt: skip
+        reached = [r["examples_to_target"] for r in runs if r.get("examples_to_target") is not None]
+        if reached:
+            ax.axvline(sum(reached) / len(reached), color=f"C{i % 10}", lw=0.6, ls=":")
+        drawn = True
+    if drawn:
+        from matplotlib.ticker import NullFormatter
+
+        ax.set(xscale="log", yscale="log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # 2×10³, 3×10³, ... print over each other
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no noise-scale readings", transform=ax.transAxes, ha="center")
+    ax.set(xlabel="examples seen", ylabel="B_simple (measured)",
+           title="Gradient noise scale over training (dotted: the target reached)")  # fmt: skip
+    fig.tight_layout()
+    _save(fig, folder / "noise_scale_curves.png")
+
+
 def draw(study: Study, folder: Path) -> None:
     against_batch(study, folder)
     steps_vs_examples(study, folder)
     val_curves(study, folder)
+    noise_scale_curves(study, folder)
