@@ -2,7 +2,7 @@
 
 analysis  lr per batch size, steps to target, the table rows, the headline figures
 critical  the critical batch size (the S/E hyperbola fit) and its interval
-verdict   which batch size, and why: 95% CIs paired by seed
+verdict   which batch size, and why: paired t-tests by seed, Holm-corrected over every pair
 report    summary.md, summary.csv, curves.csv
 plots     the study's PNGs
 memory_fit  the largest batch within sweep.memory_budget_mb, from the measured step memory

@@ -94,7 +94,7 @@ def _mean_steps(by_batch: dict[int, list[int]]) -> list[tuple[int, float]]:
 def fit(reached: Sequence[tuple[int, int | None]], seed: int = 0) -> Fit | NoFit:
     """Fit the S/E trade-off to (batch size, steps to target) pairs, one per experiment (None:
     never reached). Seeds are averaged per batch size before the fit (the seed-to-seed spread
-    is noise, not signal) and resampled for the interval; the bootstrap is seeded, so the same
+    is noise, not signal); their spread gives the interval's draws, which are seeded, so the same
     results give the same report."""
     by_batch: dict[int, list[int]] = defaultdict(list)
     for batch, steps in reached:
@@ -102,7 +102,8 @@ def fit(reached: Sequence[tuple[int, int | None]], seed: int = 0) -> Fit | NoFit
             by_batch[batch].append(steps)
     if len(by_batch) < MIN_BATCH_SIZES:
         return NoFit(f"only {len(by_batch)} batch size(s) reached the target; the fit needs at least {MIN_BATCH_SIZES}")
-    line = _line(_mean_steps(by_batch))
+    points = _mean_steps(by_batch)
+    line = _line(points)
     if line is None:
         return NoFit("every batch size took the same examples to the target: nothing to fit")
     inverse_s_min, b_crit, r2 = line
@@ -112,7 +113,6 @@ def fit(reached: Sequence[tuple[int, int | None]], seed: int = 0) -> Fit | NoFit
             f"(fitted 1/S_min = {inverse_s_min:.3g}, B_crit = {b_crit:.3g}): no critical batch size in this range"
         )
     s_min = 1 / inverse_s_min
-    points = _mean_steps(by_batch)
     b_crit_draws, excess_draws = _draws(by_batch, seed)
     low, high = _percentiles(b_crit_draws)
     excess_low, excess_high = _percentiles(excess_draws)

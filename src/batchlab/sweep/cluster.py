@@ -6,7 +6,9 @@ MLflow child runs, resume and the report are the same. Before training, a task c
 worker runs the same batchlab (version and source) on the same data (content hash), fetching the
 data with `dvc pull` when the worker's checkout has none. A worker killed mid-experiment: the
 scheduler runs the task again on another worker (distributed.scheduler.allowed-failures), and the
-retry continues the killed attempt's checkpoint and MLflow run when it saved one.
+retry continues the killed attempt's checkpoint and MLflow run when it saved one. A task run again
+after its experiment finished (Dask runs a task at least once) returns the result that the
+experiment's child run stored, training nothing (experiment.stored_result).
 """
 
 from __future__ import annotations

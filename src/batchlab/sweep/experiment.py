@@ -15,9 +15,10 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from batchlab import atomic, data, evaluate, stages
 from batchlab.config import Config, parse_config
@@ -29,6 +30,8 @@ from batchlab.training.train import steps_per_epoch
 from batchlab.validate import batches_fit
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -173,9 +176,24 @@ def train_and_score(cfg: Config, exp: Experiment, paths: stages.Paths, parent_ru
     done = stored_result(cfg, exp, paths, parent_run_id, key)
     if done is not None:
         return done
-    exp_paths = experiment_paths(paths, exp)
+    return train_one(cfg, exp, exp_cfg, key, paths, parent_run_id, dataset, started)
+
+
+def train_one(
+    cfg: Config,
+    exp: Experiment,
+    exp_cfg: Config,
+    key: str,
+    paths: stages.Paths,
+    parent_run_id: str | None,
+    dataset: data.Dataset,
+    started: float,
+) -> dict[str, Any]:
+    """Train and test one experiment known to be still to train (`stored_result` found nothing);
+    `started`: when its task began (perf_counter), for its overhead."""
     tags = experiment_tags(exp, key)
-    with stages.training(exp_cfg, exp_paths, dataset, parent_run_id, f"sweep-{exp.name}", tags) as (tracker, trained):
+    folder = experiment_paths(paths, exp)
+    with stages.training(exp_cfg, folder, dataset, parent_run_id, f"sweep-{exp.name}", tags) as (tracker, trained):
         measured = measure(cfg, exp_cfg, dataset, trained.history)
         result = score(exp, key, trained, dataset, measured, time.perf_counter() - started, tracker)
     return keep(paths, exp, result)
@@ -245,9 +263,12 @@ def read_result(path: Path, expected: str) -> dict[str, Any] | None:
     return result if result.get("fingerprint") == expected else None
 
 
-def _with_sweep_threads(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
+def with_sweep_threads(run: Callable[[Config, T, stages.Paths, str | None], R], cfg: Config, work: T,
+                       paths: stages.Paths, parent_run_id: str | None) -> R:  # fmt: skip
+    """`run(cfg, work, ...)` on the sweep's torch threads: what a fresh process of a parallel sweep
+    runs (threads.in_fresh_process), for one experiment or a group of them."""
     threads.use_threads(threads.sweep_threads(cfg, data.shape(paths.data)))
-    return train_and_score(cfg, exp, paths, parent_run_id)
+    return run(cfg, work, paths, parent_run_id)
 
 
 def run_experiment(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
@@ -256,4 +277,4 @@ def run_experiment(cfg: Config, exp: Experiment, paths: stages.Paths, parent_run
     if cfg.sweep.parallel == 1:
         return train_and_score(cfg, exp, paths, parent_run_id)
     cores = threads.threads_per_process(cfg.sweep.parallel)
-    return threads.in_fresh_process(cores, _with_sweep_threads, cfg, exp, paths, parent_run_id)
+    return threads.in_fresh_process(cores, with_sweep_threads, train_and_score, cfg, exp, paths, parent_run_id)

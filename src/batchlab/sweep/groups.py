@@ -52,56 +52,57 @@ def run_group(cfg: Config, exps: list[Experiment], paths: stages.Paths, parent_r
     if cfg.sweep.parallel == 1:
         return train_group(cfg, exps, paths, parent_run_id)
     cores = threads.threads_per_process(cfg.sweep.parallel)
-    return threads.in_fresh_process(cores, _with_sweep_threads, cfg, exps, paths, parent_run_id)
-
-
-def _with_sweep_threads(
-    cfg: Config, exps: list[Experiment], paths: stages.Paths, parent_run_id: str | None
-) -> dict[str, Any]:
-    threads.use_threads(threads.sweep_threads(cfg, data.shape(paths.data)))
-    return train_group(cfg, exps, paths, parent_run_id)
+    return threads.in_fresh_process(cores, experiment.with_sweep_threads, train_group, cfg, exps, paths, parent_run_id)
 
 
 def train_group(cfg: Config, exps: list[Experiment], paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
     """Seeds that resume from the same epoch (0: a fresh start) train together; one alone trains as before."""
     dataset = data.load(paths.data)
     data_hash = dataset.content_hash()
+    cfgs = {exp.name: experiment.experiment_config(cfg, exp) for exp in exps}  # each built once
+    keys = {name: experiment.key_of(exp_cfg, data_hash) for name, exp_cfg in cfgs.items()}
     results: dict[str, Any] = {}
     for exp in exps:  # finished already: a task Dask runs again, a resumed sweep
-        key = experiment.fingerprint(cfg, exp, data_hash)
-        done = experiment.stored_result(cfg, exp, paths, parent_run_id, key)
+        done = experiment.stored_result(cfg, exp, paths, parent_run_id, keys[exp.name])
         if done is not None:
             results[exp.name] = done
     exps = [exp for exp in exps if exp.name not in results]
-    cfgs = [experiment.experiment_config(cfg, exp) for exp in exps]
     checkpoints = [experiment.experiment_paths(paths, exp).checkpoint for exp in exps]
-    epochs = vectorized.epochs_to_resume(cfgs, dataset, checkpoints)
+    epochs = vectorized.epochs_to_resume([cfgs[exp.name] for exp in exps], dataset, checkpoints)
     for epoch in sorted(set(epochs)):
         part = [exp for exp, resumes in zip(exps, epochs, strict=True) if resumes == epoch]
         if len(part) == 1:
-            results[part[0].name] = experiment.train_and_score(cfg, part[0], paths, parent_run_id)
+            exp, started = part[0], time.perf_counter()
+            results[exp.name] = experiment.train_one(
+                cfg, exp, cfgs[exp.name], keys[exp.name], paths, parent_run_id, dataset, started
+            )
         else:
-            results.update(_train_together(cfg, part, paths, parent_run_id, dataset))
+            results.update(_train_together(cfg, part, cfgs, keys, paths, parent_run_id, dataset))
     return results
 
 
 def _train_together(
-    cfg: Config, exps: list[Experiment], paths: stages.Paths, parent_run_id: str | None, dataset: data.Dataset
+    cfg: Config,
+    exps: list[Experiment],
+    cfgs: dict[str, Config],
+    keys: dict[str, str],
+    paths: stages.Paths,
+    parent_run_id: str | None,
+    dataset: data.Dataset,
 ) -> dict[str, Any]:
     started = time.perf_counter()
-    cfgs = [experiment.experiment_config(cfg, exp) for exp in exps]
+    exp_cfgs = [cfgs[exp.name] for exp in exps]
     folders = [experiment.experiment_paths(paths, exp) for exp in exps]
     if cfg.train.threads:
         threads.use_threads(cfg.train.threads)
     log.info("sweep: %s train together", ", ".join(exp.name for exp in exps))
-    with session(cfgs[0].train) as strategy:
-        fitted = vectorized.fit_seeds(cfgs, dataset, strategy, checkpoints=[f.checkpoint for f in folders])
+    with session(exp_cfgs[0].train) as strategy:
+        fitted = vectorized.fit_seeds(exp_cfgs, dataset, strategy, checkpoints=[f.checkpoint for f in folders])
     share = (time.perf_counter() - started) / len(exps)  # each seed's part of the group's wall time
     results = {}
-    data_hash = dataset.content_hash()
-    for exp, exp_cfg, folder, result in zip(exps, cfgs, folders, fitted, strict=True):
+    for exp, exp_cfg, folder, result in zip(exps, exp_cfgs, folders, fitted, strict=True):
         begun = time.perf_counter()
-        key = experiment.key_of(exp_cfg, data_hash)
+        key = keys[exp.name]
         tags = {**experiment.experiment_tags(exp, key), "sweep.trained_with_seeds": str(len(exps))}
         with stages.train_run(exp_cfg, folder, dataset, parent_run_id, f"sweep-{exp.name}", tags) as tracker:
             for row in result.history:  # every epoch, a resumed group's earlier ones too

@@ -130,7 +130,7 @@ class MlflowTracker(Tracker):
         self._persist(artifact_file, self.client.log_table, self.run_id, columns, artifact_file)
 
     def log_dict(self, values: Mapping[str, Any], artifact_file: str) -> None:
-        """A JSON artifact (what tracking.children.finished_result reads back)."""
+        """A JSON artifact (what tracking.children.finished_or_superseded reads back)."""
         self._persist(artifact_file, self.client.log_dict, self.run_id, dict(values), artifact_file)
 
     def log_datasets(self, dataset: Dataset, source: str) -> None:
