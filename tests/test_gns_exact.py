@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchlab import atomic, cli, data, stages
+from batchlab.audit import noise
+from batchlab.model import load_model
 from batchlab.training.gns_exact import exact_noise_scale
+from tests.conftest import tiny_config, write_params
 
 
 def _problem(dropout: float, rows: int = 48) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -52,9 +58,8 @@ def test_with_dropout_it_predicts_what_a_training_step_measures(batch: int) -> N
     gen = torch.Generator().manual_seed(1)
     torch.manual_seed(1)
     steps = 3000
-    measured = torch.stack(
-        [_gradient(model, x[idx], y[idx]).square().sum() for idx in (torch.randperm(len(y), generator=gen)[:batch] for _ in range(steps))]
-    )
+    batches = [torch.randperm(len(y), generator=gen)[:batch] for _ in range(steps)]
+    measured = torch.stack([_gradient(model, x[idx], y[idx]).square().sum() for idx in batches])
     standard_error = measured.std().item() / steps**0.5
     assert abs(measured.mean().item() - exact.batch_grad_sq(batch)) < 4 * standard_error
     rows_only = exact.grad_sq + exact.trace * (len(y) - batch) / (batch * (len(y) - 1))
@@ -70,3 +75,23 @@ def test_it_leaves_the_weights_the_mode_and_the_global_rng_as_they_were() -> Non
     assert torch.equal(torch.get_rng_state(), state) and model.training
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert exact_noise_scale(model, F.cross_entropy, x, y, draws=4, seed=7) == first  # reproducible
+
+
+def test_noise_scale_command_reports_the_exact_value_of_the_saved_model(
+    workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = stages.Paths(workdir)
+    cfg = tiny_config(model={"dropout": 0.2}, train={"epochs": 10})  # the probe reads once: step 55, done at 82
+    write_params(workdir, cfg.model_dump())
+    assert cli.main(["--out", str(workdir), "noise-scale"]) == 1  # nothing trained yet: a one-line error
+    assert "train first" in capsys.readouterr().err
+    stages.generate(cfg, paths)
+    stages.train(cfg, paths)
+    model, _ = load_model(paths.model)
+    dataset = data.load(paths.data)
+    x, y = torch.from_numpy(dataset.train.x), torch.from_numpy(dataset.train.y)
+    expected = exact_noise_scale(model.train(), F.cross_entropy, x, y, draws=4)
+    text = noise.report(paths, draws=4)
+    assert f"exact B_simple = {expected.b_simple:.1f}" in text and "4 dropout masks a row" in text
+    logged = float(atomic.read_csv(paths.reports / "history.csv")[-1]["gns.b_simple"])
+    assert f"= {logged:.1f}: {logged / expected.b_simple:.2f}x exact" in text

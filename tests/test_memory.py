@@ -37,16 +37,16 @@ def test_step_memory_counts_weights_gradients_adam_state_and_batch_within_a_sane
 
 
 @pytest.mark.parametrize("batch_size", [16, 512])
-def test_a_step_the_noise_probe_measures_counts_its_per_example_gradients(batch_size: int) -> None:
+def test_a_step_the_noise_probe_measures_counts_its_pass_over_the_train_split(batch_size: int) -> None:
     plain = step_memory_mib(CFG, FEATURES, CLASSES, batch_size, CPU) * 2**20
     probing = step_memory_mib(CFG, FEATURES, CLASSES, batch_size, CPU, probing=True) * 2**20
-    # vmap(grad) holds one float32 gradient of every parameter for each of its rows at once, beside
-    # the weights, gradients and AdamW's two states; it runs after the backward has freed the
-    # activations, so at a large batch the backward's peak can still be the step's
-    rows = min(batch_size, gns_probes.PER_EXAMPLE_ROWS)
-    assert probing >= max(plain, 4 * N_PARAMS * 4 + rows * N_PARAMS * 4), (plain, probing)
+    # the probe's forward and backward over a chunk of the split's rows holds every layer's
+    # activations for each of them (at least one float32 per unit), beside the weights, gradients
+    # and AdamW's two states, and its two mean gradients
+    rows = gns_probes.FULL_SPLIT_CHUNK
+    assert probing >= max(plain, 4 * N_PARAMS * 4 + rows * 4 * sum(WIDTHS)), (plain, probing)
     if batch_size == 16:
-        assert probing > 2 * plain, (plain, probing)  # the probe's gradients dwarf a small batch
+        assert probing > 2 * plain, (plain, probing)  # the probe's rows dwarf a small batch
 
 
 def test_step_memory_is_the_same_figure_twice() -> None:

@@ -104,4 +104,21 @@ def test_undefined_noise_scale_readings_are_counted_and_left_out_of_the_median(t
     results[1]["curve_b_simple"] = [400.0 for _ in results[1]["curve_steps"]]
     found = analysis.analyse(results, n_test=600, target_val_loss=0.2, memory_budget_mb=None)
     assert found.b_simple == 200.0 and found.figures()["b_simple_unread_at_target"] == 1  # median of 400 and 4 x 200
-    assert "undefined in 1 of the experiments that reached it" in report.write(found, tmp_path, _context())
+    assert "not read in 1 of the experiments that reached it" in report.write(found, tmp_path, _context())
+
+
+def test_the_exact_noise_scale_is_the_headline_and_the_estimate_is_set_beside_it(tmp_path: Path) -> None:
+    results = [_result(b, seed) for b in (16, 64, 256) for seed in (0, 1)]
+    for i, r in enumerate(results):  # estimates 200; exact values 250, 400, ..., one experiment without
+        r["curve_b_simple"] = [200.0 for _ in r["curve_steps"]]
+        r["gns_b_simple_exact_at_target"] = math.nan if i == 5 else 250.0 + 150.0 * i
+    found = analysis.analyse(results, n_test=600, target_val_loss=0.2, memory_budget_mb=None)
+    figures = found.figures()
+    assert figures["b_simple_exact_at_target"] == 550.0  # the median of 250, 400, 550, 700, 850
+    assert figures["b_simple_estimate_over_exact"] == pytest.approx(200.0 / 550.0)  # the median of the ratios
+    assert figures["b_simple_at_target"] == 200.0
+    assert isinstance(found.fit, critical.Fit)
+    assert figures["b_crit_over_b_simple_exact"] == pytest.approx(found.fit.b_crit / 550.0)
+    text = report.write(found, tmp_path, _context())
+    assert "B_simple = 550 exactly (median over the 5 experiments" in text
+    assert "estimate there reads 200 (median, the median of estimate / exact 0.36)" in text

@@ -58,8 +58,8 @@ def _assert_same(separate: TrainResult, together: TrainResult) -> None:
 
 @pytest.fixture
 def probe_often(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The per-example noise probe every 4th step: a tiny run has too few steps for its default period."""
-    monkeypatch.setattr(gns_probes, "PER_EXAMPLE_EVERY", 4)
+    """The noise probe every 4th step: a tiny run has too few steps for its default period."""
+    monkeypatch.setattr(gns_probes, "full_split_every", lambda rows, batch, passes: 4)
 
 
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))

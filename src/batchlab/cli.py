@@ -74,6 +74,11 @@ COMMANDS = {
         "Reads dvc.lock (and *.dvc files), the workspace outputs, the DVC cache, reports/train.json and, "
         "through the tracking section, that run's models and the digests export recorded. Writes nothing.",
     ),
+    "noise-scale": (
+        "the exact gradient noise scale of the trained model, from every train row's gradient",
+        "Reads models/model.pt, data/prepared/ and reports/history.csv. Prints B_simple, |G|², tr(Σ) and the "
+        "estimate training logged, with their ratio. Writes nothing.",
+    ),
     "ui-url": (
         "print the MLflow UI address that opens tracking.experiment's runs table (`make ui` prints it)",
         "Reads params.yaml's tracking section and the MLflow store (read only; no mlflow import). Writes nothing.",
@@ -124,6 +129,8 @@ def _parser() -> argparse.ArgumentParser:
             )
         if name == "reproduce":
             command.add_argument("run_id", metavar="RUN_ID", help="the MLflow run to rebuild (reports/train.json)")
+        if name == "noise-scale":
+            command.add_argument("--draws", type=_positive, default=8, help="dropout masks per row (default 8)")
         if name == "ui-url":
             command.add_argument("--store", default="sqlite:///mlflow.db", help="the MLflow store `mlflow ui` reads")
             command.add_argument("--port", type=int, default=5000, help="the port `mlflow ui` listens on")
@@ -176,9 +183,10 @@ def run(args: argparse.Namespace) -> None:
             raise reproduce.Differs(f"run {args.run_id} did not reproduce (the table above says where)")
         return
     if args.stage == "verify":
+        from batchlab.audit import verify
         from batchlab.tracking import resolve_uri
 
-        _verify(args.out or Path("."), resolve_uri(cfg.tracking) if cfg.tracking.enabled else None)
+        print(verify.verify_outputs(args.out or Path("."), resolve_uri(cfg.tracking) if cfg.tracking.enabled else None))
         return
     if args.stage == "ui-url":
         from batchlab.tracking.backend import experiment_id
@@ -206,6 +214,10 @@ def run(args: argparse.Namespace) -> None:
         stages.evaluate(cfg, paths)
     elif args.stage == "export":
         stages.export(cfg, paths)
+    elif args.stage == "noise-scale":
+        from batchlab.audit import noise
+
+        print(noise.report(paths, args.draws))
     elif args.stage == "sweep":
         from batchlab.sweep.run import run_sweep  # scikit-learn and matplotlib: imported by this stage only
 
@@ -233,23 +245,6 @@ def _predict(args: argparse.Namespace) -> None:
         return
     if args.output is not None:
         logging.getLogger("batchlab").info("predict: %d rows -> %s", rows, args.output)
-
-
-def _verify(outputs: Path, tracking_uri: str | None) -> None:
-    """The DVC repo here; the MLflow run of `outputs`/reports/train.json."""
-    import json
-
-    from batchlab.audit import verify
-    from batchlab.tracking import quiet_mlflow
-
-    info = outputs / "reports" / "train.json"
-    run_id = json.loads(info.read_text()).get("run_id") if info.is_file() else None
-    if tracking_uri and run_id:
-        quiet_mlflow()
-    report = verify.verify(Path("."), run_id, tracking_uri)
-    print("\n".join(report.lines()))
-    if report.mismatches:
-        raise verify.IntegrityError(f"{len(report.mismatches)} files differ from their recorded hashes (above)")
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -89,6 +89,7 @@ class TrainConfig(Section):
     eval_every_steps: Annotated[int, Field(ge=0)] = Field(
         0, description="also score the val split every this many optimizer steps (0 = once per epoch only)"
     )
+    curve_weights: bool = Field(False, description="keep the weights at those val points (reports/curve_weights.pt)")
     max_nonfinite_steps: PositiveInt = Field(
         20, description="stop after this many consecutive steps with non-finite gradients"
     )
@@ -164,6 +165,9 @@ class SweepConfig(Section):
     )
     memory_budget_mb: Annotated[float, Field(gt=0)] | None = Field(
         None, description="MiB of tensor memory per step: report the largest batch predicted to fit"
+    )
+    exact_noise_rows: Annotated[int, Field(ge=0)] = Field(
+        4096, description="exact noise scale at the target when the train split has at most this many rows (0: never)"
     )
     executor: Literal["local", "dask"] = Field(
         "local", description="local: sweep.parallel processes here; dask: one Prefect task per experiment on a cluster"

@@ -30,6 +30,11 @@ class Paths:
         return self.outputs / "models" / "model.pt"
 
     @property
+    def curve_weights(self) -> Path:
+        """train.curve_weights: {"steps": [...], "weights": [points, parameters]} at the val points."""
+        return self.reports / "curve_weights.pt"
+
+    @property
     def onnx(self) -> Path:
         return self.outputs / "models" / "model.onnx"
 

@@ -82,13 +82,11 @@ def write_trained(cfg: Config, paths: Paths, result: TrainResult, dataset: data.
 
     from batchlab.model import save_model
     from batchlab.training.checkpoint import discard
+    from batchlab.training.train import write_curves
 
     save_model(paths.model, result.model, cfg.model, dataset.n_features, dataset.class_names)
     atomic.write_csv(paths.reports / "history.csv", result.history)
-    if result.val_curve:  # train.eval_every_steps > 0
-        atomic.write_csv(paths.reports / "val_curve.csv", result.val_curve)
-    else:  # not a stale curve from an earlier run
-        (paths.reports / "val_curve.csv").unlink(missing_ok=True)
+    write_curves(result, paths.reports / "val_curve.csv", paths.curve_weights)
     summary = {"best_epoch": result.best_epoch, "epochs_run": len(result.history),
                "stopped_early": result.stopped_early, "torch_threads": torch.get_num_threads()}  # fmt: skip
     atomic.write_json(paths.reports / "train_summary.json", summary)

@@ -158,3 +158,19 @@ def verify(root: Path, run_id: str | None, tracking_uri: str | None) -> Report:
     else:
         report.notes.append("no MLflow run checked (tracking off, or no reports/train.json)")
     return report
+
+
+def verify_outputs(outputs: Path, tracking_uri: str | None) -> str:
+    """`batchlab verify`: the DVC repo here and the MLflow run of `outputs`/reports/train.json; the
+    report's lines, or IntegrityError naming how many files differ."""
+    from batchlab.tracking import quiet_mlflow
+
+    info = outputs / "reports" / "train.json"
+    run_id = json.loads(info.read_text()).get("run_id") if info.is_file() else None
+    if tracking_uri and run_id:
+        quiet_mlflow()
+    report = verify(Path("."), run_id, tracking_uri)
+    if report.mismatches:
+        print("\n".join(report.lines()))
+        raise IntegrityError(f"{len(report.mismatches)} files differ from their recorded hashes (above)")
+    return "\n".join(report.lines())

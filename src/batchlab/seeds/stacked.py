@@ -29,7 +29,7 @@ from batchlab.config import Config
 from batchlab.tracking import Tracker
 from batchlab.training.checkpoint import Checkpoint, Trainee, TrainState
 from batchlab.training.gns import NoiseScale
-from batchlab.training.gns_probes import PerExampleProbe
+from batchlab.training.gns_probes import FullSplitProbe
 from batchlab.training.strategy import Strategy
 
 
@@ -45,7 +45,7 @@ class Seed:
     tracker: Tracker
     noise: NoiseScale
     dropout: torch.Generator  # what `fit` seeds the global RNG with each epoch, for this seed alone
-    probe: PerExampleProbe | None = None
+    probe: FullSplitProbe | None = None
     active: bool = True  # False once early stopping stopped it: its weights and figures stay as they are
 
     @property
@@ -70,7 +70,7 @@ ACTIVATION_BACKWARD: dict[type[nn.Module], Callable[[Any, torch.Tensor, torch.Te
 class StackedModels:
     """The seeds' models as one: their weights in [S, ...] tensors, their gradients in one buffer."""
 
-    def __init__(self, seeds: list[Seed], strategy: Strategy) -> None:
+    def __init__(self, seeds: list[Seed], strategy: Strategy, train_rows: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.seeds, self.strategy, self.rows = seeds, strategy, 0
         strategy.reset_peak_memory()
         self.weights, _ = stack_module_state([s.trainee.model for s in seeds])
@@ -104,7 +104,7 @@ class StackedModels:
             offset += stacked.numel()
         for seed in seeds:
             if seed.noise.enabled:  # after the views: the probe reads the live weights
-                seed.probe = PerExampleProbe(seed.trainee.model, F.cross_entropy, rng=seed.dropout)
+                seed.probe = FullSplitProbe(seed.trainee.model, F.cross_entropy, *train_rows, rng=seed.dropout)
         # per dropout layer and shape: the masks' buffer and each seed's part of it, drawn into each step
         self.masks: dict[tuple[int, torch.Size], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.loss_grad: dict[int, float] = {}  # per row count: -1/rows as autograd's float32 mean backward has it
@@ -188,6 +188,10 @@ class StackedModels:
             if seed.probe is not None and seed.active:
                 seed.noise.record_step(norm, seed.probe.small(seed.noise.steps + 1, 1.0), self.rows)
         return norms
+
+    def flat_weights(self) -> torch.Tensor:
+        """Every seed's weights as one row [S, P], in its module's parameter order (a copy)."""
+        return torch.cat([w.detach().reshape(len(self.seeds), -1) for w in self.weights.values()], dim=1)
 
     def stepping(self, norms: torch.Tensor) -> list[bool]:
         """The seeds that take this step: still training, with a finite gradient (`fit` skips the others)."""

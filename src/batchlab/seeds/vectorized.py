@@ -31,6 +31,7 @@ from batchlab.tracking import Tracker
 from batchlab.training.checkpoint import Checkpoint, TrainState
 from batchlab.training.epochs import (
     NonFiniteError,
+    Scored,
     check_finite,
     dropout_seed,
     epoch_order,
@@ -91,10 +92,10 @@ def fit_seeds(
     steps = steps_per_epoch(n_train, tc.batch_size)
     batch_fits(tc.batch_size, n_train, "train.batch_size")
     seeds = _restore(cfgs, dataset, strategy, steps, trackers or [Tracker() for _ in cfgs], checkpoints)
-    group = StackedModels(seeds, strategy)
+    x_train, y_train = split_tensors(dataset.train, strategy.device)
+    group = StackedModels(seeds, strategy, (x_train, y_train))
     optimizer = SeedOptimizer(tc, list(group.weights.values()), [seed.params for seed in seeds], steps)
     optimizer.load_from([seed.trainee for seed in seeds])
-    x_train, y_train = split_tensors(dataset.train, strategy.device)
     x_val, y_val = split_tensors(dataset.val, strategy.device)
     first = seeds[0].state.epoch
     collector.resume()  # as in fit: everything is loaded, and a loop that may run for hours starts
@@ -114,7 +115,8 @@ def fit_seeds(
         step_losses, step_norms = torch.stack(losses).view(-1, len(seeds)), torch.stack(norms)
         for i, seed in enumerate(seeds):
             if seed.active:
-                figures = _EpochFigures(step_losses[:, i], step_norms[:, i], [(n, v[i]) for n, v in scored], seconds)
+                mine = [(n, v[i], None if w is None else w[i]) for n, v, w in scored]
+                figures = _EpochFigures(step_losses[:, i], step_norms[:, i], mine, seconds)
                 _finish_epoch(seed, epoch, figures, logits[i], y_val, optimizer.lr, dataset, strategy)
         optimizer.save_to([seed.trainee for seed in seeds])
         for seed in active:
@@ -133,14 +135,15 @@ def _epoch(
     optimizer: SeedOptimizer,
     train: tuple[torch.Tensor, torch.Tensor],
     val: tuple[torch.Tensor, torch.Tensor],
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[int, torch.Tensor]], float]:
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Scored], float]:
     """One epoch's steps of every seed at once, as `fit`'s epoch: the losses (S per step, seed by
-    seed), the norms, the val losses scored within it, and its seconds without that scoring."""
+    seed), the norms, the val losses scored within it (with every seed's weights, [S, P], under
+    train.curve_weights), and its seconds without that scoring."""
     (x_train, y_train), (x_val, y_val) = train, val
     steps = steps_per_epoch(y_train.shape[0], tc.batch_size)
     losses: list[torch.Tensor] = []
     norms: list[torch.Tensor] = []
-    scored: list[tuple[int, torch.Tensor]] = []
+    scored: list[Scored] = []
     scoring_seconds = 0.0
     started = time.perf_counter()
     for step in range(steps):
@@ -155,7 +158,8 @@ def _epoch(
         if tc.eval_every_steps and done % tc.eval_every_steps == 0:
             scoring = time.perf_counter()
             logits = group.predict(x_val)
-            scored.append((done, torch.stack([F.cross_entropy(out, y_val) for out in logits])))
+            weights = group.flat_weights() if tc.curve_weights else None
+            scored.append((done, torch.stack([F.cross_entropy(out, y_val) for out in logits]), weights))
             scoring_seconds += time.perf_counter() - scoring
     return losses, norms, scored, time.perf_counter() - started - scoring_seconds
 
@@ -198,7 +202,7 @@ class _EpochFigures:
 
     losses: torch.Tensor  # per step
     norms: torch.Tensor  # per step
-    scored: list[tuple[int, torch.Tensor]]  # (global step, val loss)
+    scored: list[Scored]  # (global step, val loss, weights)
     seconds: float  # its share of the group's time
 
 
@@ -216,6 +220,7 @@ def _finish_epoch(
     tc, state, noise = seed.cfg.train, seed.state, seed.noise
     stats = epoch_stats(figures.losses.contiguous(), figures.norms.contiguous(), strategy, state.nonfinite_run)
     state.val_curve += val_curve_points(figures.scored, noise.settle(), tc.batch_size)
+    state.curve_weights += [weights.cpu() for _, _, weights in figures.scored if weights is not None]
     state.noise_scale = noise.state_dict()
     check_finite(stats, epoch, tc, dataset, strategy, who=f"seed {tc.seed}: ")
     steps, seconds = figures.losses.shape[0], figures.seconds
@@ -243,6 +248,7 @@ def _result(seed: Seed, dataset: Dataset, strategy: Strategy) -> TrainResult:
         best_epoch=state.best_epoch,
         stopped_early=len(state.history) < seed.cfg.train.epochs,
         val_curve=state.val_curve,
+        curve_weights=state.curve_weights,
     )
 
 

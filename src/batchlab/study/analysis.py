@@ -28,6 +28,7 @@ FIGURES = (
     "step_memory_mib",
     "step_memory_plain_mib",
     "gns_b_simple_at_target",
+    "gns_b_simple_exact_at_target",
     "grad_norm_mean",
     "peak_rss_mib",
     "epoch_seconds",
@@ -97,6 +98,15 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 @dataclass(frozen=True)
+class NoiseTruth:
+    """The exact noise scale at the target (sweep/truth.py), where the train split allowed it."""
+
+    b_simple: float = math.nan  # the median over the experiments that reached the target
+    estimate_over_exact: float = math.nan  # the median over them of the estimate / the exact value
+    count: int = 0  # experiments with an exact value
+
+
+@dataclass(frozen=True)
 class Study:
     results: list[dict[str, Any]]  # the experiments kept (the winning lr per batch size), with their reach
     rows: list[dict[str, Any]]  # one per batch size
@@ -111,6 +121,7 @@ class Study:
     # experiments that reached the target whose noise-scale reading there is undefined (no probe
     # yet, or an estimate of |G|² at or below zero): left out of b_simple, and counted
     b_simple_unread: int = 0
+    truth: NoiseTruth = NoiseTruth()
 
     def figures(self) -> dict[str, float | int]:
         """The headline numbers: `dvc metrics show`, the parent run's metrics."""
@@ -135,29 +146,45 @@ class Study:
         if math.isfinite(self.b_simple):
             out["b_simple_at_target"] = self.b_simple
         out["b_simple_unread_at_target"] = self.b_simple_unread
+        if self.truth.count:
+            out["b_simple_exact_at_target"] = self.truth.b_simple
+            if math.isfinite(self.truth.estimate_over_exact):
+                out["b_simple_estimate_over_exact"] = self.truth.estimate_over_exact
+            if isinstance(self.fit, critical.Fit) and self.truth.b_simple > 0:
+                out["b_crit_over_b_simple_exact"] = self.fit.b_crit / self.truth.b_simple
         if self.budget_batch is not None:
             out["largest_batch_within_budget"] = self.budget_batch
         return out
+
+
+def target_of(kept: list[dict[str, Any]], target_val_loss: float | None) -> tuple[float, str]:
+    """The target val loss of the experiments kept (`pick_lrs`), and the rule that set it."""
+    if target_val_loss is not None:
+        return target_val_loss, "sweep.target_val_loss"
+    rule = (
+        f"the highest of the experiments' lowest val losses, plus {critical.TARGET_MARGIN:.0%}, "
+        "so every experiment reaches it (sweep.target_val_loss sets another)"
+    )
+    return critical.auto_target([r["curve_val_loss"] for r in kept]), rule
 
 
 def analyse(
     results: list[dict[str, Any]], n_test: int, target_val_loss: float | None, memory_budget_mb: float | None
 ) -> Study:
     kept, lr_choice = pick_lrs(results)
-    if target_val_loss is None:
-        target = critical.auto_target([r["curve_val_loss"] for r in kept])
-        rule = (
-            f"the highest of the experiments' lowest val losses, plus {critical.TARGET_MARGIN:.0%}, "
-            "so every experiment reaches it (sweep.target_val_loss sets another)"
-        )
-    else:
-        target, rule = target_val_loss, "sweep.target_val_loss"
+    target, rule = target_of(kept, target_val_loss)
     kept = [reach(r, target) for r in kept]
     rows = aggregate(kept)
     fit = critical.fit([(r["batch_size"], r["steps_to_target"]) for r in kept])
     readings = [r["gns_b_simple_at_target"] for r in kept if r["steps_to_target"] is not None]
     at_target = _finite(readings)
     b_simple = statistics.median(at_target) if at_target else math.nan
+    exact = _finite([r.get("gns_b_simple_exact_at_target") for r in kept if r["steps_to_target"] is not None])
+    both = [_finite([r["gns_b_simple_at_target"], r.get("gns_b_simple_exact_at_target")]) for r in kept]
+    pairs = [estimate / exact for estimate, exact in (p for p in both if len(p) == 2) if exact > 0]
+    truth = NoiseTruth(
+        statistics.median(exact) if exact else math.nan, statistics.median(pairs) if pairs else math.nan, len(exact)
+    )
     f1: dict[int, dict[int, float]] = defaultdict(dict)
     for r in kept:
         f1[r["batch_size"]][r["seed"]] = r["test_f1_macro"]
@@ -171,4 +198,4 @@ def analyse(
         points = [(row["batch_size"], row["step_memory_mib_mean"]) for row in rows]
         budget_batch = largest_batch_within(memory_budget_mb, points)
     unread = len(readings) - len(at_target)
-    return Study(kept, rows, lr_choice, target, rule, fit, b_simple, verdict, n_test, budget_batch, unread)
+    return Study(kept, rows, lr_choice, target, rule, fit, b_simple, verdict, n_test, budget_batch, unread, truth)

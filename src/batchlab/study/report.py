@@ -29,6 +29,7 @@ COLUMNS = (  # header, figure, digits
     ("samples/s", "samples_per_s", 0),
     ("step memory (MiB)", "step_memory_mib", 3),
     ("B_simple at target", "gns_b_simple_at_target", 0),
+    ("exact B_simple there", "gns_b_simple_exact_at_target", 0),
     ("peak RSS (MiB)", "peak_rss_mib", 0),
 )
 
@@ -86,20 +87,7 @@ def critical_text(study: Study, lr_scaling: str, base_batch: int, optimizer: str
             "compute, grow (diminishing returns)."
         )
         lines.append(_excess_text(fit))
-    unread = (
-        f"; undefined in {study.b_simple_unread} of the experiments that reached it (no probe yet, or an "
-        "estimate of |G|² at or below zero), which are left out"
-        if study.b_simple_unread
-        else ""
-    )
-    if math.isfinite(study.b_simple):
-        ratio = f"; B_crit / B_simple = {fit.b_crit / study.b_simple:.2f}" if isinstance(fit, critical.Fit) else ""
-        lines.append(
-            f"Gradient noise scale at the target: B_simple = {study.b_simple:.0f} (median over experiments"
-            f"{unread}){ratio}. McCandlish et al. find B_crit ≈ B_simple to within an order of magnitude."
-        )
-    elif study.b_simple_unread:
-        lines.append(f"Gradient noise scale at the target: not read{unread}.")
+    lines += noise_text(study)
     lines.append(
         f"What biases it: the lr is scaled by the {lr_scaling} rule from train.lr at batch {base_batch} "
         "(a rule that under-scales large batches inflates their steps); the optimizer is "
@@ -108,6 +96,42 @@ def critical_text(study: Study, lr_scaling: str, base_batch: int, optimizer: str
         "epochs gives large batches few steps at a high lr."
     )
     return " ".join(lines)
+
+
+def noise_text(study: Study) -> list[str]:
+    """The noise scale at the target: the exact value where it was computed, the in-training
+    estimate beside it, how far apart they are, and the readings that could not be made."""
+    fit, truth = study.fit, study.truth
+    unread = (
+        f"; not read in {study.b_simple_unread} of the experiments that reached it, which are left out: no "
+        "probe's reading was complete yet (a probe costs a pass over the train split, so one runs only every "
+        "~1/8 of a run's step time, and its reading waits half that) or its |G|² came out at or below zero"
+        if study.b_simple_unread
+        else ""
+    )
+    estimate = f"{study.b_simple:.0f}" if math.isfinite(study.b_simple) else "not read"
+    if truth.count and math.isfinite(truth.b_simple):
+        ratio = f"; B_crit / B_simple = {fit.b_crit / truth.b_simple:.2f}" if isinstance(fit, critical.Fit) else ""
+        apart = (
+            f", the median of estimate / exact {truth.estimate_over_exact:.2f}"
+            if math.isfinite(truth.estimate_over_exact)
+            else ""
+        )
+        return [
+            f"Gradient noise scale at the target: B_simple = {truth.b_simple:.0f} exactly (median over the "
+            f"{truth.count} experiments that reached it: tr(Σ)/|G|² from every train row's gradient at the weights "
+            "of the val point where each first reached it, dropout's masks counted as noise){ratio}. The "
+            f"in-training estimate there reads {estimate} (median{unread}{apart}). McCandlish et al. find "
+            "B_crit ≈ B_simple to within an order of magnitude."
+        ]
+    if math.isfinite(study.b_simple):
+        ratio = f"; B_crit / B_simple = {fit.b_crit / study.b_simple:.2f}" if isinstance(fit, critical.Fit) else ""
+        return [
+            f"Gradient noise scale at the target: B_simple = {study.b_simple:.0f} (the in-training estimate, median "
+            f"over experiments{unread}; no exact value: the train split is larger than sweep.exact_noise_rows){ratio}. "
+            "McCandlish et al. find B_crit ≈ B_simple to within an order of magnitude."
+        ]
+    return [f"Gradient noise scale at the target: not read{unread}."] if study.b_simple_unread else []
 
 
 def lr_text(study: Study) -> str:

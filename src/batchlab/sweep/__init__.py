@@ -1,5 +1,6 @@
 """The batch-size sweep, from one experiment up to the whole study (imports point down this list).
 
+truth       the exact noise scale at the target, from the weights experiments keep
 experiment  one experiment: its config, folder, key, training, scoring and result row
 probes      what an experiment measures besides training: solo speed, step memory
 state       a sweep's resume state (state.json)

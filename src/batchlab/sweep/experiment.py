@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from batchlab import atomic, data, evaluate, stages
 from batchlab.config import Config, parse_config
 from batchlab.seeds.vectorized import trains_together
-from batchlab.sweep import probes
+from batchlab.sweep import probes, truth
 from batchlab.tracking import Tracker, children
 from batchlab.training import threads
 from batchlab.training.train import steps_per_epoch
@@ -42,6 +42,7 @@ class Experiment:
     epochs: int
     lr_multiplier: float = 1.0
     eval_every_steps: int = 0  # score the val split this often: the step that reaches the target
+    curve_weights: bool = False  # keep the weights there: the exact noise scale at the target (truth.py)
 
     @property
     def name(self) -> str:
@@ -68,6 +69,7 @@ def plan(cfg: Config, n_train: int) -> list[Experiment]:
             epochs,
             m,
             max(1, steps_per_epoch(n_train, b) // sc.evals_per_epoch),
+            n_train <= sc.exact_noise_rows,
         )
         for b in sc.batch_sizes
         for m in sc.lr_multipliers
@@ -79,7 +81,9 @@ def experiment_config(cfg: Config, exp: Experiment) -> Config:
     raw = cfg.model_dump()
     # identical conditions: the same epochs for everyone, so no early stopping
     raw["train"].update(batch_size=exp.batch_size, lr=exp.lr, seed=exp.seed, epochs=exp.epochs)
-    raw["train"].update(early_stopping_patience=0, eval_every_steps=exp.eval_every_steps)
+    raw["train"].update(
+        early_stopping_patience=0, eval_every_steps=exp.eval_every_steps, curve_weights=exp.curve_weights
+    )
     return parse_config(raw)
 
 
@@ -161,9 +165,12 @@ def stored_result(
     return found
 
 
-def keep(paths: stages.Paths, exp: Experiment, result: dict[str, Any]) -> dict[str, Any]:
-    """Write a scored experiment's result.json, once its run has ended FINISHED; returns the row."""
-    atomic.write_json(experiment_paths(paths, exp).outputs / "result.json", result)
+def keep(cfg: Config, paths: stages.Paths, exp: Experiment, result: dict[str, Any]) -> dict[str, Any]:
+    """Write a scored experiment's result.json, once its run has ended FINISHED, and keep the
+    weights of only the val points a target can fall on (truth.trim); returns the row."""
+    folder = experiment_paths(paths, exp)
+    truth.trim(folder, result["curve_val_loss"], cfg.sweep.target_val_loss)
+    atomic.write_json(folder.outputs / "result.json", result)
     return result
 
 
@@ -196,7 +203,7 @@ def train_one(
     with stages.training(exp_cfg, folder, dataset, parent_run_id, f"sweep-{exp.name}", tags) as (tracker, trained):
         measured = measure(cfg, exp_cfg, dataset, trained.history)
         result = score(exp, key, trained, dataset, measured, time.perf_counter() - started, tracker)
-    return keep(paths, exp, result)
+    return keep(cfg, paths, exp, result)
 
 
 def measure(cfg: Config, exp_cfg: Config, dataset: data.Dataset, history: list[dict[str, float]]) -> dict[str, float]:

@@ -113,7 +113,7 @@ def _train_together(
             measured = experiment.measure(cfg, exp_cfg, dataset, trained.history)
             seconds = share + time.perf_counter() - begun
             scored = experiment.score(exp, key, trained, dataset, measured, seconds, tracker)
-        results[exp.name] = experiment.keep(paths, exp, scored)
+        results[exp.name] = experiment.keep(cfg, paths, exp, scored)
     return results
 
 

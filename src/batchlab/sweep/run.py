@@ -15,7 +15,7 @@ from typing import Any
 from batchlab import atomic, data, stages, tracking
 from batchlab.config import Config
 from batchlab.study import analysis, report
-from batchlab.sweep import executors, experiment
+from batchlab.sweep import executors, experiment, truth
 from batchlab.sweep import state as sweep_state
 from batchlab.sweep.lock import exclusive
 from batchlab.sweep.state import Sweep
@@ -82,8 +82,12 @@ def finish(
     ordered = [{**sweep.finished, **results}[e.name] for e in sweep.experiments]
     wall = sweep.wall_seconds if sweep.up_to_date else sweep.elapsed()
     folder = paths.reports / "sweep"
-    n_test = int(data.load(paths.data).test.y.shape[0])
-    result = analysis.analyse(ordered, n_test, cfg.sweep.target_val_loss, cfg.sweep.memory_budget_mb)
+    dataset = data.load(paths.data)
+    target, _ = analysis.target_of(analysis.pick_lrs(ordered)[0], cfg.sweep.target_val_loss)
+    folders = {e.name: experiment.experiment_paths(paths, e) for e in sweep.experiments}
+    scored = truth.with_exact(cfg, dataset, folders, ordered, target)  # `ordered` stays the stored rows
+    n_test = int(dataset.test.y.shape[0])
+    result = analysis.analyse(scored, n_test, cfg.sweep.target_val_loss, cfg.sweep.memory_budget_mb)
     context = {
         "lr_scaling": cfg.sweep.lr_scaling,
         "base_batch": cfg.train.batch_size,

@@ -112,12 +112,14 @@ def likely_cause(dataset: Dataset, strategy: Strategy) -> str:
     return strategy.divergence_hint()
 
 
-def val_curve_points(
-    scored: list[tuple[int, torch.Tensor]], noise: Trajectory, batch_size: int
-) -> list[dict[str, float]]:
+# a val point scored within an epoch: (global step, val loss, the flat weights with train.curve_weights)
+Scored = tuple[int, torch.Tensor, torch.Tensor | None]
+
+
+def val_curve_points(scored: list[Scored], noise: Trajectory, batch_size: int) -> list[dict[str, float]]:
     """An epoch's val points, read back in one sync, with the noise scale at each point's step."""
-    losses = torch.stack([loss for _, loss in scored]).tolist() if scored else []
+    losses = torch.stack([loss for _, loss, _ in scored]).tolist() if scored else []
     return [
         {"step": float(step), "examples": float(step * batch_size), "val_loss": loss, "gns.b_simple": noise.at(step)}
-        for (step, _), loss in zip(scored, losses, strict=True)
+        for (step, _, _), loss in zip(scored, losses, strict=True)
     ]

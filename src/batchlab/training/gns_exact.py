@@ -56,14 +56,12 @@ class ExactNoise:
 
 def is_stochastic(model: nn.Module) -> bool:
     """Whether a training-mode forward draws random masks (a dropout layer with p > 0)."""
-    return model.training and any(
-        isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()
-    )
+    return model.training and any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
 
 
 def exact_noise_scale(
     model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, draws: int = DRAWS, seed: int = 0,
-    chunk: int = 256,
+    chunk: int = 512,
 ) -> ExactNoise:  # fmt: skip
     """|G|², tr(Σ) and tr(Σ_mask) over the rows (x, y) at the model's weights, in its mode (train
     mode: dropout on, as a training step has it). Leaves the weights and the global RNG as they were;
@@ -79,20 +77,25 @@ def exact_noise_scale(
     rows = x.shape[0]
     if rows < 2:
         raise ValueError(f"the exact noise scale needs at least 2 rows, got {rows}")
-    size = sum(p.numel() for p in params.values())
-    sums = torch.zeros(draws, size, dtype=torch.float64, device=x.device)  # per draw: the sum of gradients
-    squares = within = 0.0
+    sums = [{k: torch.zeros_like(p, dtype=torch.float64) for k, p in params.items()} for _ in range(draws)]
+    squares = within = 0.0  # sum over rows and draws of |g|²; of each row's squared deviations over draws
     devices = [x.device] if x.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         torch.manual_seed(seed)
         for start in range(0, rows, chunk):
             xs, ys = x[start : start + chunk], y[start : start + chunk]
-            g = torch.stack([_flat(per_example(params, xs, ys)) for _ in range(draws)]).double()  # [D, c, P]
-            sums += g.sum(1)
-            squares += float(g.square().sum())
-            if draws > 1:
-                within += float((g - g.mean(0)).square().sum()) / (draws - 1)
-    means = sums / rows
+            row_sums: dict[str, torch.Tensor] = {}  # each row's gradient summed over draws
+            chunk_squares = 0.0
+            for draw in range(draws):
+                for k, g in per_example(params, xs, ys).items():
+                    sums[draw][k] += g.sum(0, dtype=torch.float64)
+                    chunk_squares += float(_sq(g))
+                    row_sums[k] = g if draw == 0 else row_sums[k] + g
+            squares += chunk_squares
+            if draws > 1:  # sum_d |g_d - mean|² = sum_d |g_d|² - D |mean|², per row, summed
+                mean_squares = sum(float(_sq(v)) for v in row_sums.values()) / draws
+                within += (chunk_squares - mean_squares) / (draws - 1)
+    means = torch.stack([torch.cat([v.flatten() for v in draw.values()]) for draw in sums]) / rows
     if draws > 1:
         total = means.sum(0)
         grad_sq = float((total @ total - means.square().sum()) / (draws * (draws - 1)))
@@ -102,6 +105,7 @@ def exact_noise_scale(
     return ExactNoise(rows, draws, grad_sq, trace, within / rows)
 
 
-def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Per-example gradients {name: [c, ...]} as one [c, P] matrix."""
-    return torch.cat([g.reshape(g.shape[0], -1) for g in grads.values()], dim=1)
+def _sq(t: torch.Tensor) -> torch.Tensor:
+    """The sum of squares of a tensor's elements (one BLAS dot, no temporary)."""
+    flat = t.reshape(-1)
+    return torch.dot(flat, flat)

@@ -1,7 +1,7 @@
-"""The probes that give the noise scale its small batch (gns.py has the estimators): single
-examples' gradients against the batch on one process, micro-batches against the batch under
-accumulation, one rank's gradient against the all-reduced one under DDP (a communication hook).
-Which one runs is the strategy's choice (strategy.py, through `probe_for`)."""
+"""The probes that measure the noise scale's |G|² against the steps' own gradients (gns.py has
+the estimators): the train split's mean gradient at fixed weights on one process, one rank's
+gradient against the all-reduced one under DDP (a communication hook). Which one runs is the
+strategy's choice (strategy.py, through `probe_for`)."""
 
 # no `from __future__ import annotations`: DDP checks a communication hook's annotations at
 # runtime, and a string "dist.GradBucket" fails that check
@@ -14,114 +14,103 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.func import functional_call, grad, vmap
-from torch.nn.utils import get_total_norm
+from torch.func import functional_call, grad
 
-# rows whose per-example gradients are taken; a call's cost hardly depends on it (dispatch-bound)
-PER_EXAMPLE_ROWS = 32
-# measure every k-th step: the per-example probe's call costs 4-5 small steps (gns.py's docstring),
-# so 1 in 100 keeps it to ~5% of step time at batch 16 (1 in 64 measured 8-14% there, under
-# a neighbour's load); the micro-batch probe's two ops per micro-batch cost ~15% of a small
-# accumulated step when run every step (6-11% every 2nd step, under load)
-PER_EXAMPLE_EVERY = 100
-# ...but a short run at a large batch has few steps (batch 512, 20 epochs of 2800 rows: 100):
-# measure once per this many trained rows instead when that is more often (batch 256: every
-# 50th step, 512: every 25th), never more often than every PER_EXAMPLE_MIN_EVERY-th. The probe
-# costs ~1.8 ms there, 1.3x a batch-512 step: every 25th keeps it near 5% (bench_gns)
-PER_EXAMPLE_ROWS_BETWEEN = 12800
-PER_EXAMPLE_MIN_EVERY = 5
-MICRO_BATCH_EVERY = 4
+from batchlab.training.gns import MAX_HALF_WINDOW, FullSplitMeasure
+from batchlab.training.gns_exact import is_stochastic
+
+# the rows the full-split probe passes over: the whole train split up to this many (beyond it, as
+# many drawn afresh each time); per pass, FULL_SPLIT_CHUNK rows at a time (its memory)
+FULL_SPLIT_ROWS = 4096
+FULL_SPLIT_CHUNK = 1024
+# its period, from a cost model fitted in bench_gns (MLP [64, 64], 1 thread): a pass over M rows or a
+# step over B costs about (DISPATCH_ROWS + rows) rows' worth (~0.45 ms fixed, ~1.5 µs a row), so
+# measuring every k-th step costs passes·(DISPATCH_ROWS + M) / (k·(DISPATCH_ROWS + B)) of the steps;
+# k is set to keep that at FULL_SPLIT_OVERHEAD (params.yaml's 2800 rows, 2 passes: batch 16 every
+# 245th step, 64 every 212th, 512 every 95th), never more often than every FULL_SPLIT_MIN_EVERY-th
+FULL_SPLIT_OVERHEAD = 0.08
+DISPATCH_ROWS = 300
+FULL_SPLIT_MIN_EVERY = 5
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class PerExampleProbe:
-    """B_small = 1: the mean over (up to PER_EXAMPLE_ROWS of) the step's rows of |g_i|², from
-    vmap(grad) on a functional copy of the model, every `every`-th step (by default from the
-    batch: PER_EXAMPLE_ROWS_BETWEEN rows apart, at most PER_EXAMPLE_EVERY steps).
-    Runs in fp32 outside autocast and leaves the global RNG (dropout in the real step) as it
-    found it, so training takes the same steps with or without it. With `rng` (the generator the
-    step's dropout drew from, when not the global one: vectorized seeds) its masks start from
-    that generator's state, as a separate run's start from the global RNG's."""
+def full_split_every(rows: int, batch: int, passes: int) -> int:
+    """The full-split probe's period in steps, from the cost model above."""
+    cost = passes * (DISPATCH_ROWS + rows) / (FULL_SPLIT_OVERHEAD * (DISPATCH_ROWS + batch))
+    return max(FULL_SPLIT_MIN_EVERY, math.ceil(cost))
+
+
+class FullSplitProbe:
+    """|G|² at the current weights from the mean gradient over the train split (up to
+    FULL_SPLIT_ROWS rows), taken twice with independent dropout masks: their dot product is
+    unbiased for |G|² (the masks' noise cancels; over the whole split the rows' noise is gone), and
+    half their squared difference measures the masks' noise. The steps' own gradient norms give
+    tr(Σ) (gns.NoiseScale). Every `every`-th step (default `full_split_every` from the step's rows).
+
+    Runs in fp32 outside autocast, leaves the weights' gradients alone (torch.func.grad) and the
+    global RNG as it found it, so training takes the same steps with or without it. With `rng`
+    (the generator the step's dropout drew from, when not the global one: vectorized seeds) its
+    masks start from that generator's state, as a separate run's start from the global RNG's."""
 
     def __init__(
-        self, model: nn.Module, loss_fn: LossFn, every: int | None = None, rng: torch.Generator | None = None
-    ) -> None:
-        self.model, self.every, self.rng = model, every, rng
+        self, model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, every: int | None = None,
+        rng: torch.Generator | None = None,
+    ) -> None:  # fmt: skip
+        self.x, self.y, self.every, self.rng = x, y, every, rng
         # views of the live parameters: the optimizer updates them in place
         self.params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
-        self.buffers = dict(model.named_buffers())
-        self.inputs: list[torch.Tensor] = []
-        self.targets: list[torch.Tensor] = []
+        buffers = dict(model.named_buffers())
+        self.passes = 2 if is_stochastic(model) else 1
+        self.rows_per_pass = min(x.shape[0], FULL_SPLIT_ROWS)
+        self.draw = torch.Generator(device=x.device).manual_seed(0)  # which rows, when the split is larger
+        self.step_rows = 0
 
-        def one_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            out = functional_call(model, (params, self.buffers), (x.unsqueeze(0),))
-            return loss_fn(out, y.unsqueeze(0))
+        def summed_loss(params: dict[str, torch.Tensor], xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+            return loss_fn(functional_call(model, (params, buffers), (xs,)), ys) * xs.shape[0]
 
-        # randomness="different": each example draws its own dropout mask, as in a real batch
-        self.per_example_grads = vmap(grad(one_loss), in_dims=(None, 0, 0), randomness="different")
+        self.gradient = grad(summed_loss)
 
     def after_backward(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        self.inputs.append(inputs)
-        self.targets.append(targets)
+        if self.every is None:
+            self.step_rows += inputs.shape[0]
 
-    def small(self, step: int, scale_sq: torch.Tensor | float) -> tuple[torch.Tensor, int] | None:
-        inputs, targets = self.inputs, self.targets
-        self.inputs, self.targets = [], []
+    def small(self, step: int, scale_sq: torch.Tensor | float) -> FullSplitMeasure | None:
         if self.every is None:  # from the first step's rows: the same period every run (reproducible)
-            by_rows = max(PER_EXAMPLE_MIN_EVERY, math.ceil(PER_EXAMPLE_ROWS_BETWEEN / sum(x.shape[0] for x in inputs)))
-            self.every = min(PER_EXAMPLE_EVERY, by_rows)
+            self.every = full_split_every(self.rows_per_pass, self.step_rows, self.passes)
         if step % self.every:
             return None
-        x, y = torch.cat(inputs)[:PER_EXAMPLE_ROWS], torch.cat(targets)[:PER_EXAMPLE_ROWS]  # rows are shuffled
+        x, y = self.x, self.y
+        if x.shape[0] > self.rows_per_pass:
+            pick = torch.randperm(x.shape[0], generator=self.draw, device=x.device)[: self.rows_per_pass]
+            x, y = x[pick], y[pick]
         devices = [x.device] if x.device.type == "cuda" else []  # the CPU generator is always restored
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            if self.rng is not None:  # vmap's dropout draws from the global RNG: give it this seed's state
+        with torch.random.fork_rng(devices=devices):
+            if self.rng is not None:  # dropout draws from the global RNG: give it this seed's state
                 torch.set_rng_state(self.rng.get_state())
-            grads = self.per_example_grads(self.params, x, y)
-        # mean_i |g_i|² = (sum over every example and parameter of g²) / rows: one foreach norm
-        return get_total_norm(list(grads.values())).float().square() / x.shape[0], 1
+            means = [self._mean_gradient(x, y) for _ in range(self.passes)]
+        first, second = means[0], means[-1]
+        half_diff_sq = (first - second).square().sum() / 2 if self.passes > 1 else torch.zeros((), device=x.device)
+        half_window = max(1, min(self.every // 2, MAX_HALF_WINDOW))
+        return FullSplitMeasure(torch.dot(first, second), half_diff_sq, x.shape[0], half_window)
 
-
-class MicroBatchProbe:
-    """B_small = the micro-batch: each micro-batch's gradient is what its backward added to the
-    flat gradient buffer, in the units of the scaled, 1/n-divided loss. Every `every`-th step
-    (MICRO_BATCH_EVERY)."""
-
-    def __init__(self, flat_grads: torch.Tensor, micro_batches: int, every: int | None = None) -> None:
-        self.flat, self.micro_batches, self.every = flat_grads, micro_batches, every or MICRO_BATCH_EVERY
-        self.before = torch.zeros_like(flat_grads)  # the buffer after the previous micro-batch
-        self.norms: list[torch.Tensor] = []
-        self.rows = 0
-
-    def after_backward(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        self.rows = inputs.shape[0]
-        if step % self.every:
-            return
-        first, last = not self.norms, len(self.norms) == self.micro_batches - 1
-        # |what this backward added|: the buffer starts each step at zero
-        self.norms.append(torch.linalg.vector_norm(self.flat) if first else torch.dist(self.flat, self.before))
-        if not last:
-            self.before.copy_(self.flat)
-
-    def small(self, step: int, scale_sq: torch.Tensor | float) -> tuple[torch.Tensor, int] | None:
-        if not self.norms:
-            return None
-        norms, self.norms = torch.stack(self.norms), []
-        # backward divided each micro-batch's loss by their count n and multiplied it by the
-        # loss scale: mean_m |g_m|² = sum_m norm_m² * n² / n / scale²
-        return torch.dot(norms, norms) * (len(norms) / scale_sq), self.rows
+    def _mean_gradient(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        total: torch.Tensor | None = None
+        for start in range(0, x.shape[0], FULL_SPLIT_CHUNK):
+            parts = self.gradient(self.params, x[start : start + FULL_SPLIT_CHUNK], y[start : start + FULL_SPLIT_CHUNK])
+            flat = torch.cat([g.reshape(-1) for g in parts.values()]).float()
+            total = flat if total is None else total + flat
+        assert total is not None
+        return total / x.shape[0]
 
 
 def probe_for(
-    model: nn.Module, flat_grads: torch.Tensor, micro_batches: int, loss_fn: LossFn, every: int | None = None
-) -> PerExampleProbe | MicroBatchProbe:
-    """One process's probe: the micro-batches against the batch under accumulation, otherwise
-    single examples' gradients (of `loss_fn`) against the batch. DDP's is CommHookProbe.
-    `every`: measure every this many steps (default: each probe's own period)."""
-    if micro_batches > 1:
-        return MicroBatchProbe(flat_grads, micro_batches, every)
-    return PerExampleProbe(model, loss_fn, every)
+    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, every: int | None = None
+) -> FullSplitProbe:
+    """One process's probe (with or without accumulation): the train split's mean gradient (of
+    `loss_fn`) at fixed weights. DDP's is CommHookProbe. `every`: measure every this many steps
+    (default: from the cost model)."""
+    return FullSplitProbe(model, loss_fn, x, y, every)
 
 
 class CommHookProbe:

@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from batchlab.config import Config
 from batchlab.training.gns import NoiseScale
+from batchlab.training.gns_probes import FULL_SPLIT_CHUNK
 from batchlab.training.strategy import Strategy
 from batchlab.training.train import initial_model, make_optimizer
 
@@ -41,8 +42,8 @@ def step_memories(
 ) -> tuple[float, float]:
     """Peak tensor memory, in MiB, of a training step of `batch_size` rows (parameters, gradients,
     optimizer state, the step's copy of its rows and the activations; not the dataset, not the
-    runtime's own memory), and of a step on which the noise probe measures (per-example gradients,
-    or the micro-batches' norms): the largest step training takes when train.gns is on.
+    runtime's own memory), and of a step on which the noise probe measures (its passes over the
+    train split, a chunk of rows at a time): the largest step training takes when train.gns is on.
 
     The step is train.py's (its rows copied from the resident train split, cross-entropy,
     train.precision, train.grad_accum_steps) in one process: under DDP a rank holds batch_size /
@@ -54,11 +55,17 @@ def step_memories(
     # the train split, resident before training starts (as in fit): not the step's memory
     x = torch.randn(batch_size, n_features, generator=gen).to(device)
     y = torch.randint(n_classes, (batch_size,), generator=gen).to(device)
-    peaks = _cuda_peaks(cfg, x, y, n_classes) if device.type == "cuda" else _cpu_peaks(cfg, x, y, n_classes)
+    # the rows the noise probe passes over, a chunk at a time: its peak is one chunk's, however many
+    split = (torch.randn(FULL_SPLIT_CHUNK, n_features, generator=gen).to(device),
+             torch.randint(n_classes, (FULL_SPLIT_CHUNK,), generator=gen).to(device))  # fmt: skip
+    peaks = (_cuda_peaks if device.type == "cuda" else _cpu_peaks)(cfg, x, y, n_classes, split)
     return peaks[0] / MIB, peaks[1] / MIB
 
 
-def _trainer(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int) -> Callable[[], None]:
+Rows = tuple[torch.Tensor, torch.Tensor]
+
+
+def _trainer(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, split: Rows) -> Callable[[], None]:
     """The model and optimizer on x's device, and a function that runs one training step over x's
     rows; the noise probe measures on every PROBING_STEP-th call."""
     device = x.device
@@ -66,7 +73,7 @@ def _trainer(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int) -> C
     model = initial_model(cfg, x.shape[1], n_classes).to(device)
     optimizer = make_optimizer(cfg.train, model.parameters())
     noise = NoiseScale(enabled=True, population=10 * x.shape[0])  # N: only the estimate uses it
-    net = strategy.setup(model, noise, F.cross_entropy, probe_every=PROBING_STEP)
+    net = strategy.setup(model, noise, F.cross_entropy, probe_every=PROBING_STEP, train_rows=split)
     net.train()
     rows = torch.arange(x.shape[0], device=device)
 
@@ -81,7 +88,7 @@ def _trainer(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int) -> C
     return step
 
 
-def _cpu_peaks(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int) -> tuple[int, int]:
+def _cpu_peaks(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, split: Rows) -> tuple[int, int]:
     """Peaks of the live bytes allocated since profiling began, during the two measured steps.
 
     Each "[memory]" event carries the signed bytes of one allocation or free; their running sum is
@@ -91,7 +98,7 @@ def _cpu_peaks(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int) ->
     """
     gc.collect()  # a leftover from an earlier session freed mid-profile would subtract bytes never added
     with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step = _trainer(cfg, x, y, n_classes)
+        step = _trainer(cfg, x, y, n_classes, split)
         step()
         with record_function(_MEASURED):
             step()
@@ -127,10 +134,10 @@ def _native_stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
-def _cuda_peaks(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int) -> tuple[int, int]:
+def _cuda_peaks(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, split: Rows) -> tuple[int, int]:
     device = x.device
     before = torch.cuda.memory_allocated(device)  # other tensors of this process: not the step's
-    step = _trainer(cfg, x, y, n_classes)
+    step = _trainer(cfg, x, y, n_classes, split)
     step()
     peaks = []
     for _ in range(2):  # the step the probe skips, then the one it measures

@@ -30,7 +30,7 @@ from batchlab.config import TrainConfig
 from batchlab.training import peaks
 from batchlab.training.checkpoint import Checkpoint, sharded_folder
 from batchlab.training.gns import NoiseScale
-from batchlab.training.gns_probes import CommHookProbe, LossFn, MicroBatchProbe, PerExampleProbe, probe_for
+from batchlab.training.gns_probes import CommHookProbe, FullSplitProbe, LossFn, probe_for
 from batchlab.training.support import resolve_device
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class Strategy:
     _params: list[nn.Parameter] = field(init=False, default_factory=list)
     _flat_grads: torch.Tensor | None = field(init=False, default=None)
     _noise: NoiseScale | None = field(init=False, default=None)
-    _probe: PerExampleProbe | MicroBatchProbe | CommHookProbe | None = field(init=False, default=None)
+    _probe: FullSplitProbe | CommHookProbe | None = field(init=False, default=None)
     _step_rows: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -150,15 +150,15 @@ class Strategy:
         noise: NoiseScale | None = None,
         loss_fn: LossFn = F.cross_entropy,
         probe_every: int | None = None,
+        train_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> nn.Module:
         """Ready `model` (on the device) for training: what the loop calls forward on. One process:
         every gradient becomes a view of one flat buffer, so the norm and the zeroing are one op each
         (~25% of a small model's step). DDP: the wrapped model, which owns its gradient buckets.
-        FSDP: the model `prepare` sharded. With an enabled `noise`, steps also measure the gradient
-        noise scale into it (gns.py; its probes, gns_probes.py, every `probe_every` steps if given):
-        one rank's rows vs the global batch under DDP, a micro-batch vs the batch with accumulation,
-        otherwise single examples (gradients of `loss_fn`) vs the batch. Not under FSDP: a rank's
-        own gradient exists only inside FSDP's reduce-scatter."""
+        FSDP: the model `prepare` sharded. With an enabled `noise`, steps also measure the noise scale
+        into it (gns.py; gns_probes.py, every `probe_every` steps if given): one rank's rows vs the
+        global batch under DDP, else the mean gradient (of `loss_fn`) over `train_rows` (the train
+        split, on the device) at fixed weights. Not under FSDP (no rank's own gradient there)."""
         self.reset_peak_memory()
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._flat_grads = None
@@ -177,14 +177,14 @@ class Strategy:
             if self._noise is not None:
                 self._probe = CommHookProbe(ddp, self.world_size)
             return ddp
-        flat = torch.zeros(sum(p.numel() for p in self._params), device=self.device)
-        offset = 0
+        flat, offset = torch.zeros(sum(p.numel() for p in self._params), device=self.device), 0
         for p in self._params:
             p.grad = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
         self._flat_grads = flat
         if self._noise is not None:
-            self._probe = probe_for(model, flat, self.grad_accum_steps, loss_fn, probe_every)
+            assert train_rows is not None, "the noise probe passes over the train rows: give them"
+            self._probe = probe_for(model, loss_fn, *train_rows, every=probe_every)
         return model
 
     def micro_batches(self, net: nn.Module, batch: torch.Tensor) -> Iterator[torch.Tensor]:

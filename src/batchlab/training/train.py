@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parameters_to_vector
 
 from batchlab import collector
 from batchlab.config import Config, TrainConfig
@@ -23,6 +24,7 @@ from batchlab.tracking import Tracker
 from batchlab.training.checkpoint import Checkpoint, Trainee, TrainState
 from batchlab.training.epochs import (
     NonFiniteError,
+    Scored,
     check_finite,
     dropout_seed,
     epoch_order,
@@ -49,6 +51,24 @@ class TrainResult:
     stopped_early: bool
     # val loss every train.eval_every_steps steps: step, examples, val_loss, gns.b_simple
     val_curve: list[dict[str, float]] = field(default_factory=list)
+    curve_weights: list[torch.Tensor] = field(default_factory=list)  # train.curve_weights: one per val_curve point
+
+
+def write_curves(result: TrainResult, val_curve_csv: Path, weights_file: Path) -> None:
+    """The val curve (train.eval_every_steps) and the weights at its points (train.curve_weights),
+    or neither file where the run kept none: no stale file from an earlier run."""
+    from batchlab import atomic
+    from batchlab.model import save_torch
+
+    if result.val_curve:
+        atomic.write_csv(val_curve_csv, result.val_curve)
+    else:
+        val_curve_csv.unlink(missing_ok=True)
+    if result.curve_weights:
+        steps = [int(point["step"]) for point in result.val_curve]
+        save_torch(weights_file, {"steps": steps, "weights": torch.stack(result.curve_weights)})
+    else:
+        weights_file.unlink(missing_ok=True)
 
 
 def make_optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:
@@ -163,8 +183,8 @@ def fit(
     saved, trainee, state = _resume_or_start(cfg, dataset, strategy, checkpoint, steps)
     noise = NoiseScale(enabled=tc.gns, population=n_train)
     noise.load_state_dict(state.noise_scale)  # a resumed run continues the EMAs
-    net = strategy.setup(trainee.model, noise, F.cross_entropy)
     train = split_tensors(dataset.train, strategy.device)
+    net = strategy.setup(trainee.model, noise, F.cross_entropy, train_rows=train)
     x_val, y_val = split_tensors(dataset.val, strategy.device)
     bar = _progress(tc.epochs, state.epoch, strategy.is_main)
     collector.resume()  # everything is loaded (the optimizer's torch._dynamo too): a loop that may run for hours
@@ -179,6 +199,7 @@ def fit(
         # one host sync per epoch: the step's figures stay on the device until here
         stats = epoch_stats(torch.stack(losses), torch.stack(norms), strategy, state.nonfinite_run)
         state.val_curve += val_curve_points(scored, noise.settle(), tc.batch_size)
+        state.curve_weights += [weights.cpu() for _, _, weights in scored if weights is not None]
         state.noise_scale = noise.state_dict()
         check_finite(stats, epoch, tc, dataset, strategy)
         val_logits = predict_logits(trainee.model, x_val, strategy)
@@ -204,14 +225,15 @@ def _epoch(
     strategy: Strategy,
     train: tuple[torch.Tensor, torch.Tensor],
     val: tuple[torch.Tensor, torch.Tensor],
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[int, torch.Tensor]], float]:
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Scored], float]:
     """One epoch's optimizer steps: the per-micro-batch losses, per-step gradient norms, the val
-    losses scored within it (global step, loss), and its seconds without that scoring."""
+    losses scored within it (global step, loss, the weights with train.curve_weights), and its
+    seconds without that scoring."""
     (x_train, y_train), steps = train, steps_per_epoch(train[1].shape[0], tc.batch_size)
     net.train()
     losses: list[torch.Tensor] = []
     norms: list[torch.Tensor] = []
-    scored: list[tuple[int, torch.Tensor]] = []
+    scored: list[Scored] = []
     scoring_seconds = 0.0  # kept out of samples_per_s, as the end-of-epoch validation is
     started = time.perf_counter()
     for step in range(steps):
@@ -226,7 +248,8 @@ def _epoch(
         done = epoch * steps + step + 1  # steps since step 0, across epochs and resumes
         if tc.eval_every_steps and done % tc.eval_every_steps == 0:
             scoring = time.perf_counter()
-            scored.append((done, F.cross_entropy(predict_logits(trainee.model, val[0], strategy), val[1])))
+            weights = parameters_to_vector(trainee.model.parameters()).detach().clone() if tc.curve_weights else None
+            scored.append((done, F.cross_entropy(predict_logits(trainee.model, val[0], strategy), val[1]), weights))
             net.train()  # predict_logits left the model in eval mode
             scoring_seconds += time.perf_counter() - scoring
     return losses, norms, scored, time.perf_counter() - started - scoring_seconds
@@ -246,6 +269,7 @@ def _result(trainee: Trainee, state: TrainState, tc: TrainConfig, dataset: Datas
         best_epoch=state.best_epoch,
         stopped_early=len(state.history) < tc.epochs,
         val_curve=state.val_curve,
+        curve_weights=state.curve_weights,
     )
 
 

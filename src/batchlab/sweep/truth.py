@@ -1,0 +1,79 @@
+"""The exact noise scale at the target, beside the estimate the study reads there.
+
+An experiment within sweep.exact_noise_rows keeps its weights at each val point
+(train.curve_weights, reports/curve_weights.pt); once the study knows the target, the weights at
+the point where each experiment first reached it give the exact B_simple from every train row's
+gradient (training/gns_exact.py). Each value is kept in the experiment's reports/exact_noise.json,
+keyed by step, so a report rewritten later computes nothing again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils import vector_to_parameters
+
+from batchlab import atomic, data, stages
+from batchlab.config import Config
+from batchlab.model import build_model, save_torch
+from batchlab.study import critical
+from batchlab.training.gns_exact import exact_noise_scale
+
+EXACT = "exact_noise.json"
+
+
+def trim(folder: stages.Paths, curve_val_loss: list[float], target_val_loss: float | None) -> None:
+    """Keep the weights of the points a target can fall on: up to the first at or below
+    sweep.target_val_loss, or, for the automatic target (never below this curve's lowest val loss
+    plus the margin), up to the first at or below that."""
+    path = folder.curve_weights
+    if not path.is_file():
+        return
+    bound = target_val_loss if target_val_loss is not None else min(curve_val_loss) * (1 + critical.TARGET_MARGIN)
+    last = next((i for i, loss in enumerate(curve_val_loss) if loss <= bound), len(curve_val_loss) - 1)
+    saved = torch.load(path, weights_only=True)
+    save_torch(path, {"steps": saved["steps"][: last + 1], "weights": saved["weights"][: last + 1]})
+
+
+def exact_at(cfg: Config, folder: stages.Paths, dataset: data.Dataset, step: int) -> dict[str, float] | None:
+    """The exact figures at `step` of the experiment whose outputs are in `folder` (None: its
+    weights there were not kept)."""
+    cache = folder.reports / EXACT
+    known: dict[str, dict[str, float]] = json.loads(cache.read_text()) if cache.is_file() else {}
+    if str(step) in known:
+        return known[str(step)]
+    path = folder.curve_weights
+    if not path.is_file():
+        return None
+    saved = torch.load(path, weights_only=True)
+    if step not in saved["steps"]:
+        return None
+    model = build_model(cfg.model, dataset.n_features, dataset.n_classes).train()
+    vector_to_parameters(saved["weights"][saved["steps"].index(step)], model.parameters())
+    x, y = torch.from_numpy(dataset.train.x), torch.from_numpy(dataset.train.y)
+    exact = exact_noise_scale(model, F.cross_entropy, x, y)
+    known[str(step)] = {"b_simple": exact.b_simple, "grad_sq": exact.grad_sq, "trace": exact.trace,
+                        "trace_mask": exact.trace_mask, "rows": exact.rows, "draws": exact.draws}  # fmt: skip
+    atomic.write_json(cache, known)
+    return known[str(step)]
+
+
+def with_exact(
+    cfg: Config, dataset: data.Dataset, folders: dict[str, stages.Paths], results: list[dict[str, Any]], target: float
+) -> list[dict[str, Any]]:
+    """The results, each that kept its weights with `gns_b_simple_exact_at_target` (NaN where it
+    cannot be computed: it never reached `target`, or its weights there are gone). `folders`: each
+    experiment's outputs, by name."""
+    out = []
+    for r in results:
+        if not r.get("curve_weights"):
+            out.append(r)
+            continue
+        step = critical.first_reach(r["curve_steps"], r["curve_val_loss"], target)
+        exact = exact_at(cfg, folders[r["name"]], dataset, step) if step is not None else None
+        out.append({**r, "gns_b_simple_exact_at_target": exact["b_simple"] if exact else math.nan})
+    return out
