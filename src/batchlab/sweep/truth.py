@@ -30,27 +30,37 @@ def trim(folder: stages.Paths, curve_val_loss: list[float], target_val_loss: flo
     """Keep the weights of the points a target can fall on: up to the first at or below
     sweep.target_val_loss, or, for the automatic target (never below this curve's lowest val loss
     plus the margin), up to the first at or below that."""
+    bound = target_val_loss if target_val_loss is not None else min(curve_val_loss) * (1 + critical.TARGET_MARGIN)
+    last = next((i for i, loss in enumerate(curve_val_loss) if loss <= bound), len(curve_val_loss) - 1)
+    _keep_first(folder, last + 1)
+
+
+def _keep_first(folder: stages.Paths, points: int) -> None:
+    """Keep the weights of the first `points` val points only (none kept: nothing to do)."""
     path = folder.curve_weights
     if not path.is_file():
         return
-    bound = target_val_loss if target_val_loss is not None else min(curve_val_loss) * (1 + critical.TARGET_MARGIN)
-    last = next((i for i, loss in enumerate(curve_val_loss) if loss <= bound), len(curve_val_loss) - 1)
     saved = torch.load(path, weights_only=True)
-    save_torch(path, {"steps": saved["steps"][: last + 1], "weights": saved["weights"][: last + 1]})
+    if len(saved["steps"]) > points:
+        # a clone: a saved slice would keep the whole storage it views
+        save_torch(path, {"steps": saved["steps"][:points], "weights": saved["weights"][:points].clone()})
 
 
-def exact_at(cfg: Config, folder: stages.Paths, dataset: data.Dataset, step: int) -> dict[str, float] | None:
-    """The exact figures at `step` of the experiment whose outputs are in `folder` (None: its
-    weights there were not kept)."""
+def exact_at(cfg: Config, folder: stages.Paths, dataset: data.Dataset, step: int, key: str) -> dict[str, float] | None:
+    """The exact figures at `step` of the experiment keyed `key` whose outputs are in `folder`
+    (None: its weights there were not kept). The weights after that point go: a study that gains
+    experiments only raises the automatic target (the highest lowest val loss), and they are most
+    of the file."""
     cache = folder.reports / EXACT
-    known: dict[str, dict[str, float]] = json.loads(cache.read_text()) if cache.is_file() else {}
+    stored = json.loads(cache.read_text()) if cache.is_file() else {}
+    known: dict[str, dict[str, float]] = stored.get("steps", {}) if stored.get("key") == key else {}
+    path = folder.curve_weights
+    saved = torch.load(path, weights_only=True) if path.is_file() else None
+    if saved is not None and step in saved["steps"]:
+        _keep_first(folder, saved["steps"].index(step) + 1)
     if str(step) in known:
         return known[str(step)]
-    path = folder.curve_weights
-    if not path.is_file():
-        return None
-    saved = torch.load(path, weights_only=True)
-    if step not in saved["steps"]:
+    if saved is None or step not in saved["steps"]:
         return None
     model = build_model(cfg.model, dataset.n_features, dataset.n_classes).train()
     vector_to_parameters(saved["weights"][saved["steps"].index(step)], model.parameters())
@@ -58,7 +68,7 @@ def exact_at(cfg: Config, folder: stages.Paths, dataset: data.Dataset, step: int
     exact = exact_noise_scale(model, F.cross_entropy, x, y)
     known[str(step)] = {"b_simple": exact.b_simple, "grad_sq": exact.grad_sq, "trace": exact.trace,
                         "trace_mask": exact.trace_mask, "rows": exact.rows, "draws": exact.draws}  # fmt: skip
-    atomic.write_json(cache, known)
+    atomic.write_json(cache, {"key": key, "steps": known})  # a retrained experiment's key differs
     return known[str(step)]
 
 
@@ -74,6 +84,6 @@ def with_exact(
             out.append(r)
             continue
         step = critical.first_reach(r["curve_steps"], r["curve_val_loss"], target)
-        exact = exact_at(cfg, folders[r["name"]], dataset, step) if step is not None else None
+        exact = exact_at(cfg, folders[r["name"]], dataset, step, r["fingerprint"]) if step is not None else None
         out.append({**r, "gns_b_simple_exact_at_target": exact["b_simple"] if exact else math.nan})
     return out
