@@ -27,7 +27,9 @@ FULL_SPLIT_CHUNK = 1024
 # step over B costs about (DISPATCH_ROWS + rows) rows' worth (~0.45 ms fixed, ~1.5 µs a row), so
 # measuring every k-th step costs passes·(DISPATCH_ROWS + M) / (k·(DISPATCH_ROWS + B)) of the steps;
 # k is set to keep that at FULL_SPLIT_OVERHEAD (params.yaml's 2800 rows, 2 passes: batch 16 every
-# 245th step, 64 every 212th, 512 every 95th), never more often than every FULL_SPLIT_MIN_EVERY-th
+# 246th step, 64 every 213th, 512 every 96th), never more often than every FULL_SPLIT_MIN_EVERY-th.
+# bench_gns measured +16% at batch 16 and +20% at 64 (14000 rows): a probe's row costs ~1.9x a
+# step's (functorch's grad, the chunks), which this model does not count yet
 FULL_SPLIT_OVERHEAD = 0.08
 DISPATCH_ROWS = 300
 FULL_SPLIT_MIN_EVERY = 5
