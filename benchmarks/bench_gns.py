@@ -14,6 +14,7 @@ load hits all variants alike.
 
 from __future__ import annotations
 
+import math
 import statistics
 import tempfile
 from pathlib import Path
@@ -30,6 +31,7 @@ from common import REPO, Table, progress
 
 BATCH_SIZES = (16, 64, 256, 512)
 EPOCHS = 3
+PROBES = 4  # at least this many probes per run: a run shorter than the probe's period measures nothing
 REPEATS = 5
 OVERHEAD_TARGET = 0.10  # issue #11: gns costs at most 10% of step time
 RESULTS = REPO / "benchmarks" / "gns_results.json"
@@ -43,9 +45,14 @@ VARIANTS: dict[str, tuple[dict[str, Any], int | None]] = {
 }
 
 
-def config(batch_size: int, train: dict[str, Any]) -> Config:
+def epochs_for(batch: int, rows: int, every: int) -> int:
+    """EPOCHS, or enough for the probe to measure PROBES times (large batches take few steps)."""
+    return max(EPOCHS, math.ceil(PROBES * every / (rows // batch)))
+
+
+def config(batch_size: int, train: dict[str, Any], epochs: int = EPOCHS) -> Config:
     base = load_config(REPO / "params.yaml")
-    fixed = {"epochs": EPOCHS, "batch_size": batch_size, "early_stopping_patience": 0, "threads": 1, "device": "cpu"}
+    fixed = {"epochs": epochs, "batch_size": batch_size, "early_stopping_patience": 0, "threads": 1, "device": "cpu"}
     return base.model_copy(
         update={
             "data": base.data.model_copy(update={"samples": 20_000}),
@@ -75,22 +82,24 @@ def main() -> dict[str, Any]:
     rows = dataset.train.y.shape[0]
     periods = {b: gns_probes.full_split_every(min(rows, gns_probes.FULL_SPLIT_ROWS), b, 2) for b in BATCH_SIZES}
     table = Table(
-        f"Gradient noise scale cost: fit() {EPOCHS} epochs over {rows} rows, MLP [64, 64], dropout 0.1, AdamW, "
-        f"1 thread, median of {REPEATS}; the probe's period from its cost model: "
-        + ", ".join(f"batch {b} every {every}" for b, every in periods.items()),
+        f"Gradient noise scale cost: fit() over {rows} rows, MLP [64, 64], dropout 0.1, AdamW, 1 thread, median of "
+        f"{REPEATS}; the probe's period from its cost model, and the epochs for {PROBES}+ probes: "
+        + ", ".join(f"batch {b} every {k} ({epochs_for(b, rows, k)} epochs)" for b, k in periods.items()),
         ["batch", "variant", "ms/step", "vs off", "target ≤ +10%"],
     )
     measured: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        # torch.func's first call in a process costs ~1 s: paid here, not by the first variant
-        train_seconds(config(BATCH_SIZES[-1], {"epochs": 1}), dataset, 1, Path(tmp) / "c.pt")
+        # the first probe in a process pays autograd's warm-up: here, not in the first variant
+        train_seconds(config(BATCH_SIZES[-1], {}, 1), dataset, 1, Path(tmp) / "c.pt")
         for batch in BATCH_SIZES:
-            steps = EPOCHS * (rows // batch)
+            epochs = epochs_for(batch, rows, periods[batch])
+            steps = epochs * (rows // batch)
             times: dict[str, list[float]] = {name: [] for name in VARIANTS}
             for repeat in range(REPEATS):
                 progress(f"gns: batch {batch}, repeat {repeat + 1}/{REPEATS}")
                 for name, (train, every) in VARIANTS.items():
-                    times[name].append(train_seconds(config(batch, train), dataset, every, Path(tmp) / "c.pt"))
+                    cfg = config(batch, train, epochs)
+                    times[name].append(train_seconds(cfg, dataset, every, Path(tmp) / "c.pt"))
             median = {name: statistics.median(t) for name, t in times.items()}
             for name in VARIANTS:
                 base = median["off, accum 4" if "accum" in name else "off"]

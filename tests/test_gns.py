@@ -61,46 +61,55 @@ def every_step(monkeypatch: pytest.MonkeyPatch) -> None:
     _probe_every(monkeypatch, 1)
 
 
-@pytest.mark.parametrize("b_small, b_big", [(1, 32), (8, 32), (16, 32)])
-def test_estimators_recover_a_known_noise_scale(b_small: int, b_big: int) -> None:
-    # per-example gradients g_i = G + e_i, e_i ~ N(0, Σ) with Σ diagonal: B_simple = tr(Σ)/|G|² exactly
-    gen = torch.Generator().manual_seed(0)
-    dims = 50
-    true_grad = torch.randn(dims, generator=gen, dtype=torch.float64) * 0.1
-    sigma_diag = torch.rand(dims, generator=gen, dtype=torch.float64) * 0.2
-    expected = sigma_diag.sum().item() / true_grad.square().sum().item()
-
-    def mean_gradient(rows: int) -> torch.Tensor:  # the mean of `rows` per-example gradients
-        return true_grad + torch.randn(dims, generator=gen, dtype=torch.float64) * (sigma_diag / rows).sqrt()
-
-    noise = NoiseScale(decay=0.998)  # a long memory: the test asks for the value, not a tracking lag
-    for _ in range(4000):
-        # the small batch is part of the big one, as a micro-batch or a rank's rows are
-        small, rest = mean_gradient(b_small), mean_gradient(b_big - b_small)
-        big = (b_small * small + (b_big - b_small) * rest) / b_big
-        noise.record_step(big.norm(), (small.square().sum(), b_small), b_big)
-    noise.settle()
-    assert expected == pytest.approx(noise.b_simple, rel=0.10)
-    assert noise.trace_sigma == pytest.approx(sigma_diag.sum().item(), rel=0.10)
-
-
-def test_estimators_recover_the_noise_scale_of_a_finite_train_set() -> None:
-    # batches drawn without replacement from 200 rows: the batch mean's variance shrinks by
-    # (N-B)/(N-1), which the plain formulas would read as a |G|² smaller by tr(Σ)/(N-1)
+@pytest.mark.parametrize(("rows", "probe_rows", "mask_sd"), [(200, 200, 0.0), (200, 200, 0.6), (200, 120, 0.6)])
+def test_full_split_estimate_recovers_a_known_noise_scale(rows: int, probe_rows: int, mask_sd: float) -> None:
+    # per-row mean gradients g_i and a dropout-like noise: each draw of row i is g_i + e with
+    # e ~ N(0, mask_sd² I), fresh per step and per probe pass. Exact: |G|² = |mean g_i|²,
+    # tr(Σ) = mean |g_i - G|² + dims·mask_sd². Steps: 16 rows without replacement; the probe's
+    # two passes over `probe_rows` rows (all of them, or a random subset of them each time)
     gen = torch.Generator().manual_seed(1)
-    rows, dims, b_big = 200, 20, 64
-    per_example = torch.randn(rows, dims, generator=gen, dtype=torch.float64) + 0.08
-    true_grad = per_example.mean(0)
-    trace = (per_example - true_grad).square().sum(1).mean().item()
-    expected = trace / true_grad.square().sum().item()
-    assert expected > rows / 3  # where it matters: uncorrected, B_simple reads 1/(1 - B/N) = ~2x high
-    noise = NoiseScale(population=rows, decay=0.999)
-    for _ in range(8000):
-        batch = per_example[torch.randperm(rows, generator=gen)[:b_big]]
-        noise.record_step(batch.mean(0).norm(), (batch.square().sum(1).mean(), 1), b_big)
-    noise.settle()
-    assert noise.b_simple == pytest.approx(expected, rel=0.10)
-    assert noise.trace_sigma == pytest.approx(trace, rel=0.05)
+    dims, batch = 20, 16
+    per_row = torch.randn(rows, dims, generator=gen, dtype=torch.float64) + 0.05
+    true_grad = per_row.mean(0)
+    trace = (per_row - true_grad).square().sum(1).mean().item() + dims * mask_sd**2
+    assert trace / true_grad.square().sum().item() > rows / 3  # where the finite population matters
+
+    def mean_gradient(idx: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(len(idx), dims, generator=gen, dtype=torch.float64) * mask_sd
+        return (per_row[idx] + noise).mean(0)
+
+    estimates = []
+    for _ in range(3000):
+        idx = torch.randperm(rows, generator=gen)[:probe_rows]
+        first, second = mean_gradient(idx), mean_gradient(idx)
+        steps = [mean_gradient(torch.randperm(rows, generator=gen)[:batch]).square().sum() for _ in range(8)]
+        estimates.append(gns.full_split_estimate(
+            float(first @ second), float((first - second).square().sum() / 2), float(torch.stack(steps).mean()),
+            probe_rows, batch, rows,
+        ))  # fmt: skip
+    grad_sq, trace_sigma = (statistics.fmean(e[k] for e in estimates) for k in (0, 1))
+    assert grad_sq == pytest.approx(true_grad.square().sum().item(), rel=0.05)
+    assert trace_sigma == pytest.approx(trace, rel=0.03)
+
+
+def test_a_resumed_run_reads_what_an_unbroken_one_does() -> None:
+    # the windows open across a checkpoint: the steps' norms before it and the measurement waiting
+    gen = torch.Generator().manual_seed(2)
+    norms = [torch.rand((), generator=gen) + 1 for _ in range(40)]
+    measure = gns.FullSplitMeasure(torch.tensor(0.5), torch.tensor(0.01), 100, half_window=6)
+
+    def run(noise: NoiseScale, steps: range) -> list[float]:
+        for step in steps:
+            noise.record_step(norms[step], measure if step % 10 == 9 else None, 8)
+        return noise.settle().b_simple
+
+    unbroken = run(NoiseScale(population=200), range(40))
+    first = NoiseScale(population=200)
+    run(first, range(22))  # step 20's window waits for 6 more steps
+    resumed = NoiseScale(population=200)
+    resumed.load_state_dict(first.state_dict())
+    assert len(unbroken) == 1 + 3 and math.isfinite(unbroken[-1])  # steps 10, 20 and 30, each read 6 later
+    assert run(resumed, range(22, 40)) == pytest.approx(unbroken[1:])  # from step 10's reading on
 
 
 def _exact(model: torch.nn.Module, dataset: Dataset, draws: int = 64) -> dict[str, float]:
@@ -118,7 +127,7 @@ def test_probes_recover_the_exact_noise_scale_of_a_still_model(
     # a long EMA averages its noise away. With dropout its masks are part of the noise, in the
     # probe (two passes with independent masks, the steps' own masks) and in the exact value alike
     _probe_every(monkeypatch, 8)  # the steps' norms 4 each side of a probe
-    monkeypatch.setattr(gns, "FULL_SPLIT_DECAY", 0.9)
+    monkeypatch.setattr(gns, "DECAY", 0.9)
     cfg = tiny_config(
         model={"dropout": dropout},
         train={"epochs": 30, "lr": 1e-9, "schedule": "constant", "grad_accum_steps": accum},
@@ -138,7 +147,7 @@ def test_the_reading_follows_the_exact_noise_scale_through_training(dropout: flo
     cfg = tiny_config(
         data={"samples": 2000},
         model={"dropout": dropout, "hidden_sizes": [32]},
-        train={"epochs": 30, "curve_weights": True, "eval_every_steps": 1},
+        train={"epochs": 50, "curve_weights": True, "eval_every_steps": 1},
     )
     dataset = build(cfg.data)[0]
     every = gns_probes.full_split_every(dataset.train.y.shape[0], 32, 2 if dropout else 1)
@@ -150,9 +159,10 @@ def test_the_reading_follows_the_exact_noise_scale_through_training(dropout: flo
         torch.nn.utils.vector_to_parameters(result.curve_weights[probe - 2], model.parameters())  # step probe - 1
         ratios.append(reading / _exact(model, dataset, draws=16)["gns.b_simple"])
     shown = str([round(r, 2) for r in ratios])
-    assert len(ratios) >= 8, shown
-    assert 0.7 <= statistics.median(ratios) <= 1.3, shown
-    assert all(0.5 <= r <= 2.0 for r in ratios), shown
+    read = [r for r in ratios if math.isfinite(r)]  # late on |G|² can read ≤ 0: no reading, counted
+    assert len(ratios) >= 8 and len(read) >= len(ratios) - 1, shown
+    assert 0.7 <= statistics.median(read) <= 1.3, shown
+    assert all(0.5 <= r <= 2.0 for r in read), shown
 
 
 def test_per_example_path_logs_finite_positive_noise_scale(tiny_dataset: Dataset, every_step: None) -> None:
@@ -165,7 +175,7 @@ def test_per_example_path_logs_finite_positive_noise_scale(tiny_dataset: Dataset
 
 
 def test_default_period_measures_a_longer_run(tiny_dataset: Dataset) -> None:
-    # 13 steps an epoch: the default period (28 steps for 420 rows at batch 32) has measured by epoch 16
+    # 13 steps an epoch: the default period (34 steps for 420 rows at batch 32) has read by epoch 16
     _assert_finite_positive(_final(_fit(tiny_config(train={"epochs": 16}), tiny_dataset)))
 
 
@@ -229,7 +239,7 @@ def test_val_curve_b_simple_is_nan_when_gns_is_off(tiny_dataset: Dataset) -> Non
 
 
 def test_train_stage_writes_val_curve_csv_and_logs_undefined_noise_scale_to_mlflow(workdir: Path) -> None:
-    # 4 epochs of 13 steps, the first shorter than the default period (28): gns.b_simple is NaN there
+    # 4 epochs of 13 steps, the first shorter than the default period (34): gns.b_simple is NaN there
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     cfg = tiny_config(train={"eval_every_steps": 10}, tracking={"enabled": True, "tracking_uri": uri})
     paths = stages.Paths(workdir)
@@ -249,15 +259,16 @@ def test_train_stage_writes_val_curve_csv_and_logs_undefined_noise_scale_to_mlfl
 
 
 @pytest.mark.slow
-def test_ddp_noise_scale_agrees_with_single_process(repo_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ddp_noise_scale_agrees_with_single_process(repo_copy: Path) -> None:
     # the same data and seed: DDP's weights match one process's, so both measure the same training.
-    # DDP pairs 16 rows with 32 (noisy, every step); one process measures |G|² over the whole
-    # split (every step here). A factor of 2 is several standard errors of either EMA, and far
-    # below what a missing world-size or scale factor would give.
-    set_params(repo_copy, "train", epochs=8, gns=True)
+    # both take the split's mean gradient at fixed weights (under DDP each rank half of its rows,
+    # summed in one all-reduce) at the default period of the global batch (64: step 285, read at
+    # 349 of 387), and the steps' norms around it; their dropout masks differ (each rank draws its
+    # own), and so do their weights a little (#29). A factor of 2 is several standard errors of a
+    # reading, and far below what a missing world-size or reduction would give.
+    set_params(repo_copy, "train", epochs=9, gns=True)
     run(["batchlab", "generate"], repo_copy)
     cfg = load_config(repo_copy / "params.yaml")
-    _probe_every(monkeypatch, 1)
     single = _final(_fit(cfg, load_data(repo_copy / "data/prepared")))
     set_params(repo_copy, "train", strategy="ddp", nproc=2, threads=1)
     run(["batchlab", "train"], repo_copy)
@@ -270,7 +281,7 @@ def test_ddp_noise_scale_agrees_with_single_process(repo_copy: Path, monkeypatch
 
 
 @pytest.mark.parametrize(
-    ("batch", "dropout", "every"), [(16, 0.1, 246), (64, 0.1, 213), (512, 0.1, 96), (16, 0.0, 123)]
+    ("batch", "dropout", "every"), [(16, 0.1, 348), (64, 0.1, 285), (512, 0.1, 106), (16, 0.0, 174)]
 )
 def test_full_split_period_follows_its_cost_model(batch: int, dropout: float, every: int) -> None:
     # params.yaml's 2800 train rows: the periods gns_probes' comment states (two passes with dropout)
@@ -279,5 +290,5 @@ def test_full_split_period_follows_its_cost_model(batch: int, dropout: float, ev
         model, torch.nn.functional.cross_entropy, torch.randn(2800, 4), torch.randint(2, (2800,))
     )
     probe.after_backward(1, torch.randn(batch, 4), torch.randint(2, (batch,)))
-    probe.small(1, 1.0)
+    probe.small(1)
     assert probe.every == every  # the same period every run: the measured steps are reproducible

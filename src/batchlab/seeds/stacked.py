@@ -186,7 +186,7 @@ class StackedModels:
         norms = torch.linalg.vector_norm(torch.cat(self.blocks, dim=1), dim=1)
         for seed, norm in zip(self.seeds, norms.unbind(), strict=True):
             if seed.probe is not None and seed.active:
-                seed.noise.record_step(norm, seed.probe.small(seed.noise.steps + 1, 1.0), self.rows)
+                seed.noise.record_step(norm, seed.probe.small(seed.noise.steps + 1), self.rows)
         return norms
 
     def flat_weights(self) -> torch.Tensor:

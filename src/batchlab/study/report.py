@@ -122,7 +122,9 @@ def noise_text(study: Study) -> list[str]:
             f"{truth.count} experiments that reached it: tr(Σ)/|G|² from every train row's gradient at the weights "
             "of the val point where each first reached it, dropout's masks counted as noise){ratio}. The "
             f"in-training estimate there reads {estimate} (median{unread}{apart}). McCandlish et al. find "
-            "B_crit ≈ B_simple to within an order of magnitude."
+            "B_crit ≈ B_simple to within an order of magnitude. B_simple grows as the loss falls (the noise-scale "
+            "plot), so the steps B_crit is fitted from are spent mostly at a smaller noise scale than the "
+            "target's: a B_crit below the B_simple at the target is what to expect."
         ]
     if math.isfinite(study.b_simple):
         ratio = f"; B_crit / B_simple = {fit.b_crit / study.b_simple:.2f}" if isinstance(fit, critical.Fit) else ""

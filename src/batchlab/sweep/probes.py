@@ -48,11 +48,15 @@ def solo_speed(cfg: Config, dataset: data.Dataset) -> dict[str, float]:
     cfg's batch size and lr, measured in a bounded number of steps: the fastest of SPEED_WINDOWS
     windows after a warm-up one, once per batch size and lr. Seeds trained together share their
     wall time, and what they save grows as the batch shrinks (5 seeds cost 1.4x one at batch 16,
-    1.75x at 64), so a seed's share would flatter small batches against large ones."""
+    1.75x at 64), so a seed's share would flatter small batches against large ones. The steps
+    alone: without the noise probe (its period keeps it near the same share at every batch size,
+    and over a window of rows it would pass over the window, not the train split) and without
+    keeping weights."""
     from batchlab.training.train import fit
 
     raw = cfg.model_dump()
     raw["train"].update(seed=0, epochs=1 + SPEED_WINDOWS, early_stopping_patience=0, eval_every_steps=0)
+    raw["train"].update(gns=False, curve_weights=False)
     probe = parse_config(raw)
     key = probe.section_hash("model", "train") + f"-{dataset.content_hash()}"
     if key not in _SOLO_SPEED:

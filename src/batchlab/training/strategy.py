@@ -30,7 +30,7 @@ from batchlab.config import TrainConfig
 from batchlab.training import peaks
 from batchlab.training.checkpoint import Checkpoint, sharded_folder
 from batchlab.training.gns import NoiseScale
-from batchlab.training.gns_probes import CommHookProbe, FullSplitProbe, LossFn, probe_for
+from batchlab.training.gns_probes import FullSplitProbe, LossFn, probe_for
 from batchlab.training.support import resolve_device
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class Strategy:
     _params: list[nn.Parameter] = field(init=False, default_factory=list)
     _flat_grads: torch.Tensor | None = field(init=False, default=None)
     _noise: NoiseScale | None = field(init=False, default=None)
-    _probe: FullSplitProbe | CommHookProbe | None = field(init=False, default=None)
+    _probe: FullSplitProbe | None = field(init=False, default=None)
     _step_rows: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -156,9 +156,9 @@ class Strategy:
         every gradient becomes a view of one flat buffer, so the norm and the zeroing are one op each
         (~25% of a small model's step). DDP: the wrapped model, which owns its gradient buckets.
         FSDP: the model `prepare` sharded. With an enabled `noise`, steps also measure the noise scale
-        into it (gns.py; gns_probes.py, every `probe_every` steps if given): one rank's rows vs the
-        global batch under DDP, else the mean gradient (of `loss_fn`) over `train_rows` (the train
-        split, on the device) at fixed weights. Not under FSDP (no rank's own gradient there)."""
+        into it (gns.py; gns_probes.py, every `probe_every` steps if given): the mean gradient (of
+        `loss_fn`) over `train_rows` (the train split, on the device) at fixed weights, its rows
+        split over DDP's ranks. Not under FSDP (its forward gathers the shards)."""
         self.reset_peak_memory()
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._flat_grads = None
@@ -166,7 +166,7 @@ class Strategy:
         self._probe, self._step_rows = None, 0
         if self.fsdp:
             if self._noise is not None and self.is_main:
-                log.info("gns: not measured under fsdp (no cheap per-rank gradient to compare with); gns.* not logged")
+                log.info("gns: not measured under fsdp (its probe would gather every shard); gns.* not logged")
             if self._noise is not None:
                 self._noise.enabled, self._noise = False, None
             return model
@@ -175,7 +175,8 @@ class Strategy:
             # gradients as views of DDP's buckets: no copy per step (1.37x -> 1.53x on 2 CPU ranks here)
             ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
             if self._noise is not None:
-                self._probe = CommHookProbe(ddp, self.world_size)
+                assert train_rows is not None, "the noise probe passes over the train rows: give them"
+                self._probe = probe_for(model, loss_fn, *train_rows, probe_every, self.rank, self.world_size)
             return ddp
         flat, offset = torch.zeros(sum(p.numel() for p in self._params), device=self.device), 0
         for p in self._params:
@@ -246,17 +247,12 @@ class Strategy:
         return norm
 
     def _measure_noise(self, norm: torch.Tensor) -> None:
-        """Give the noise scale the step's gradient norm and the probe's small-batch squared norm (on device)."""
+        """Give the noise scale the step's (unscaled) gradient norm and, on a measured step, the
+        probe's measurement (on the device)."""
         if self._noise is None or self._probe is None:
             return
         rows, self._step_rows = self._step_rows, 0
-        small = self._probe.small(self._noise.steps + 1, self._loss_scale_sq())
-        self._noise.record_step(norm, small, rows * self.world_size)
-
-    def _loss_scale_sq(self) -> torch.Tensor | float:
-        """The fp16 loss scale, squared: what scaled gradients' squared norms are divided by."""
-        scale = self.scaler._scale if self.scaler.is_enabled() else None  # the tensor: get_scale() syncs
-        return 1.0 if scale is None else scale.double().square().float()
+        self._noise.record_step(norm, self._probe.small(self._noise.steps + 1), rows * self.world_size)
 
     def mean_across_ranks(self, values: torch.Tensor) -> torch.Tensor:
         if self.is_distributed:
