@@ -81,7 +81,7 @@ def test_noise_scale_command_reports_the_exact_value_of_the_saved_model(
     workdir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     paths = stages.Paths(workdir)
-    cfg = tiny_config(model={"dropout": 0.2}, train={"epochs": 10})  # the probe reads once: step 67, done at 100
+    cfg = tiny_config(model={"dropout": 0.2}, train={"epochs": 14})  # the probe reads once: step 107, done at 160
     write_params(workdir, cfg.model_dump())
     assert cli.main(["--out", str(workdir), "noise-scale"]) == 1  # nothing trained yet: a one-line error
     assert "train first" in capsys.readouterr().err

@@ -21,7 +21,7 @@ the latest probe's (DECAY).
 
 Cost (benchmarks/bench_gns.py, MLP [64, 64], 1 CPU thread): a probe is two passes over up to
 4096 rows, ~11 ms for params.yaml's 2800, so it runs every k-th step with k from a cost model
-(gns_probes.full_split_every: batch 16 every 348th step, 512 every 106th).
+(gns_probes.full_split_every: batch 16 every 556th step, 512 every 169th).
 """
 
 from __future__ import annotations

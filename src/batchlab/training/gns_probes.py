@@ -21,11 +21,11 @@ FULL_SPLIT_CHUNK = 1024
 # its period, from a cost model fitted in bench_gns (MLP [64, 64], 1 thread): a step over B rows
 # costs about (DISPATCH_ROWS + B) rows' worth (~0.39 ms fixed, ~1.9 µs a row), a pass over M rows
 # about (DISPATCH_ROWS + M), so measuring every k-th step costs passes·(DISPATCH_ROWS + M) /
-# (k·(DISPATCH_ROWS + B)) of the steps' time; k keeps that at FULL_SPLIT_OVERHEAD, below the 10%
-# allowed for the windows' bookkeeping and a busy machine (params.yaml's 2800 rows, 2 passes:
-# batch 16 every 348th step, 64 every 285th, 512 every 106th), never more often than every
-# FULL_SPLIT_MIN_EVERY-th
-FULL_SPLIT_OVERHEAD = 0.08
+# (k·(DISPATCH_ROWS + B)) of the steps' time; k keeps that at FULL_SPLIT_OVERHEAD, half the 10%
+# allowed: the windows' bookkeeping adds ~1.5%, and side by side runs scatter by ±5% here
+# (params.yaml's 2800 rows, 2 passes: batch 16 every 556th step, 64 every 455th, 512 every
+# 169th), never more often than every FULL_SPLIT_MIN_EVERY-th
+FULL_SPLIT_OVERHEAD = 0.05
 DISPATCH_ROWS = 200
 FULL_SPLIT_MIN_EVERY = 5
 
