@@ -160,7 +160,9 @@ def test_the_reading_follows_the_exact_noise_scale_through_training(
     ratios = []
     for probe in range(every, len(curve) - every, every):
         reading = curve[probe + every // 2]["gns.b_simple"]  # step probe + every // 2 + 1: complete
-        torch.nn.utils.vector_to_parameters(result.curve_weights[probe - 2], model.parameters())  # step probe - 1
+        step, weights = result.curve_weights[probe - 2]
+        assert step == probe - 1  # the weights the probe saw: before its step's update
+        torch.nn.utils.vector_to_parameters(weights, model.parameters())
         ratios.append(reading / _exact(model, dataset, draws=16)["gns.b_simple"])
     shown = str([round(r, 2) for r in ratios])
     read = [r for r in ratios if math.isfinite(r)]  # late on |G|² can read ≤ 0: no reading, counted

@@ -17,7 +17,7 @@ a separate run's. Without the autograd engine and its custom Functions a step of
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ class Seed:
     dropout: torch.Generator  # what `fit` seeds the global RNG with each epoch, for this seed alone
     probe: FullSplitProbe | None = None
     active: bool = True  # False once early stopping stopped it: its weights and figures stay as they are
+    curve_weights: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # train.curve_weights
 
     @property
     def params(self) -> list[nn.Parameter]:

@@ -220,7 +220,7 @@ def _finish_epoch(
     tc, state, noise = seed.cfg.train, seed.state, seed.noise
     stats = epoch_stats(figures.losses.contiguous(), figures.norms.contiguous(), strategy, state.nonfinite_run)
     state.val_curve += val_curve_points(figures.scored, noise.settle(), tc.batch_size)
-    state.curve_weights += [weights.cpu() for _, _, weights in figures.scored if weights is not None]
+    seed.curve_weights += [(step, weights.cpu()) for step, _, weights in figures.scored if weights is not None]
     state.noise_scale = noise.state_dict()
     check_finite(stats, epoch, tc, dataset, strategy, who=f"seed {tc.seed}: ")
     steps, seconds = figures.losses.shape[0], figures.seconds
@@ -248,7 +248,7 @@ def _result(seed: Seed, dataset: Dataset, strategy: Strategy) -> TrainResult:
         best_epoch=state.best_epoch,
         stopped_early=len(state.history) < seed.cfg.train.epochs,
         val_curve=state.val_curve,
-        curve_weights=state.curve_weights,
+        curve_weights=seed.curve_weights,
     )
 
 

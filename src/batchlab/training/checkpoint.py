@@ -74,8 +74,6 @@ class TrainState:
     val_curve: list[dict[str, float]] = field(default_factory=list)
     # gns.NoiseScale.state_dict(): its EMAs, so a resumed run continues them instead of restarting
     noise_scale: dict[str, float] = field(default_factory=dict)
-    # train.curve_weights: the flat weights at each val_curve point (float32, CPU)
-    curve_weights: list[torch.Tensor] = field(default_factory=list)
 
     def record(self, row: dict[str, float], nonfinite_run: int) -> bool:
         """Add an epoch's figures; True when its val loss is the best so far (keep its weights)."""

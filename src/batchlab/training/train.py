@@ -51,7 +51,9 @@ class TrainResult:
     stopped_early: bool
     # val loss every train.eval_every_steps steps: step, examples, val_loss, gns.b_simple
     val_curve: list[dict[str, float]] = field(default_factory=list)
-    curve_weights: list[torch.Tensor] = field(default_factory=list)  # train.curve_weights: one per val_curve point
+    # train.curve_weights: (step, flat weights) at the val points since this process started (not
+    # kept in the checkpoint, whose every save would carry them: a resumed run has the later ones)
+    curve_weights: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 def write_curves(result: TrainResult, val_curve_csv: Path, weights_file: Path) -> None:
@@ -65,8 +67,8 @@ def write_curves(result: TrainResult, val_curve_csv: Path, weights_file: Path) -
     else:
         val_curve_csv.unlink(missing_ok=True)
     if result.curve_weights:
-        steps = [int(point["step"]) for point in result.val_curve]
-        save_torch(weights_file, {"steps": steps, "weights": torch.stack(result.curve_weights)})
+        steps, weights = zip(*result.curve_weights, strict=True)
+        save_torch(weights_file, {"steps": list(steps), "weights": torch.stack(weights)})
     else:
         weights_file.unlink(missing_ok=True)
 
@@ -187,6 +189,7 @@ def fit(
     net = strategy.setup(trainee.model, noise, F.cross_entropy, train_rows=train)
     x_val, y_val = split_tensors(dataset.val, strategy.device)
     bar = _progress(tc.epochs, state.epoch, strategy.is_main)
+    kept: list[tuple[int, torch.Tensor]] = []  # train.curve_weights
     collector.resume()  # everything is loaded (the optimizer's torch._dynamo too): a loop that may run for hours
 
     for epoch in range(state.epoch, tc.epochs):
@@ -199,7 +202,7 @@ def fit(
         # one host sync per epoch: the step's figures stay on the device until here
         stats = epoch_stats(torch.stack(losses), torch.stack(norms), strategy, state.nonfinite_run)
         state.val_curve += val_curve_points(scored, noise.settle(), tc.batch_size)
-        state.curve_weights += [weights.cpu() for _, _, weights in scored if weights is not None]
+        kept += [(step, weights.cpu()) for step, _, weights in scored if weights is not None]
         state.noise_scale = noise.state_dict()
         check_finite(stats, epoch, tc, dataset, strategy)
         val_logits = predict_logits(trainee.model, x_val, strategy)
@@ -213,7 +216,7 @@ def fit(
         saved.save(trainee, state)  # every rank: a sharded checkpoint holds each rank's shards
     if bar is not None:
         bar.close()
-    return _result(trainee, state, tc, dataset, strategy)
+    return _result(trainee, state, tc, dataset, strategy, kept)
 
 
 def _epoch(
@@ -255,7 +258,9 @@ def _epoch(
     return losses, norms, scored, time.perf_counter() - started - scoring_seconds
 
 
-def _result(trainee: Trainee, state: TrainState, tc: TrainConfig, dataset: Dataset, strategy: Strategy) -> TrainResult:
+def _result(
+    trainee: Trainee, state: TrainState, tc: TrainConfig, dataset: Dataset, strategy: Strategy, kept: list[Any]
+) -> TrainResult:
     """The best epoch's weights, unwrapped, with the history; an error when no epoch was finite."""
     if state.best_epoch < 0:  # the weights were never better than "no model": nothing to return
         raise NonFiniteError(
@@ -269,7 +274,7 @@ def _result(trainee: Trainee, state: TrainState, tc: TrainConfig, dataset: Datas
         best_epoch=state.best_epoch,
         stopped_early=len(state.history) < tc.epochs,
         val_curve=state.val_curve,
-        curve_weights=state.curve_weights,
+        curve_weights=kept,
     )
 
 
