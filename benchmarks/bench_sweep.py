@@ -102,8 +102,10 @@ def main() -> dict[str, Any]:
     a = on["answer"]
     answer = Table("The default study's answer (tracking on)", ["figure", "value"])
     for key in ("b_crit", "b_crit_ci95_low", "b_crit_ci95_high", "b_excess20", "b_excess20_ci95_low",
-                "b_excess20_ci95_high", "s_min", "e_min", "fit_r2", "b_simple_at_target", "b_crit_over_b_simple",
-                "target_val_loss", "best_f1_batch_size", "recommended_batch_size"):  # fmt: skip
+                "b_excess20_ci95_high", "s_min", "e_min", "fit_r2", "b_simple_exact_at_target",
+                "b_crit_over_b_simple_exact", "b_simple_at_target", "b_simple_estimate_over_exact",
+                "b_simple_unread_at_target", "target_val_loss", "best_f1_batch_size",
+                "recommended_batch_size"):  # fmt: skip
         if key in a:
             answer.add(key, f"{a[key]:.4g}")
     tables = [table.as_dict(), targets.as_dict(), answer.as_dict()]
