@@ -120,9 +120,11 @@ def test_experiments_differ_only_in_batch_size_and_lr() -> None:
     for other in configs[1:]:
         dump = other.model_dump()
         changed = {k for k in first["train"] if first["train"][k] != dump["train"][k]}
-        assert changed <= {"batch_size", "lr", "eval_every_steps"}  # the val split is scored ~10x per epoch
+        # the val split is scored ~10x per epoch, and the noise probe measures once an epoch
+        assert changed <= {"batch_size", "lr", "eval_every_steps", "gns_every"}
         assert {s: dump[s] for s in dump if s != "train"} == {s: first[s] for s in first if s != "train"}
     assert {c.train.epochs for c in configs} == {3} and {c.train.early_stopping_patience for c in configs} == {0}
+    assert [c.train.gns_every for c in configs] == [420 // c.train.batch_size for c in configs]
     weights = [initial_model(c, 8, 2).state_dict() for c in configs]
     assert all(torch.equal(weights[0][k], w[k]) for w in weights[1:] for k in w)
 

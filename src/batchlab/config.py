@@ -69,12 +69,9 @@ class TrainConfig(Section):
         5, description="stop after this many epochs without val-loss improvement (0 = off)"
     )
     seed: int = Field(0, description="seed for initial weights, shuffling and dropout")
-    threads: Annotated[int, Field(ge=0)] = Field(
-        0,
-        description="torch CPU threads per process; 0 = auto: more than one only when a step's work (model "
-        "width x batch) pays for them, on cores no other process is busy on, within the process's share "
-        "(sweep.parallel; ddp/fsdp ranks: cores / nproc)",
-    )
+    threads: Annotated[int, Field(ge=0)] = Field(0, description="torch CPU threads per process; 0 = auto: more "
+        "than one only when a step's work (model width x batch) pays for them, on cores no other process is busy on, "
+        "within the process's share (sweep.parallel; ddp/fsdp ranks: cores / nproc)")  # fmt: skip
     strategy: Literal["single", "ddp", "fsdp"] = Field(
         "single", description="single process, DistributedDataParallel, or FSDP2 (fully_shard: sharded state)"
     )
@@ -86,6 +83,8 @@ class TrainConfig(Section):
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="autocast dtype; fp16 adds a grad scaler")
     grad_accum_steps: PositiveInt = Field(1, description="micro-batches per optimizer step")
     gns: bool = Field(True, description="measure the gradient noise scale B_simple while training (gns.* metrics)")
+    gns_every: PositiveInt | None = Field(None, description="probe the noise scale every this many steps "
+        "(null: as often as keeps the probe near 5% of the steps' time; the sweep probes once an epoch)")  # fmt: skip
     eval_every_steps: Annotated[int, Field(ge=0)] = Field(
         0, description="also score the val split every this many optimizer steps (0 = once per epoch only)"
     )

@@ -105,7 +105,8 @@ class StackedModels:
             offset += stacked.numel()
         for seed in seeds:
             if seed.noise.enabled:  # after the views: the probe reads the live weights
-                seed.probe = FullSplitProbe(seed.trainee.model, F.cross_entropy, *train_rows, rng=seed.dropout)
+                every = seed.cfg.train.gns_every
+                seed.probe = FullSplitProbe(seed.trainee.model, F.cross_entropy, *train_rows, every, rng=seed.dropout)
         # per dropout layer and shape: the masks' buffer and each seed's part of it, drawn into each step
         self.masks: dict[tuple[int, torch.Size], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.loss_grad: dict[int, float] = {}  # per row count: -1/rows as autograd's float32 mean backward has it

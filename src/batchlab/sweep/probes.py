@@ -56,7 +56,7 @@ def solo_speed(cfg: Config, dataset: data.Dataset) -> dict[str, float]:
 
     raw = cfg.model_dump()
     raw["train"].update(seed=0, epochs=1 + SPEED_WINDOWS, early_stopping_patience=0, eval_every_steps=0)
-    raw["train"].update(gns=False, curve_weights=False)
+    raw["train"].update(gns=False, gns_every=None, curve_weights=False)
     probe = parse_config(raw)
     key = probe.section_hash("model", "train") + f"-{dataset.content_hash()}"
     if key not in _SOLO_SPEED:

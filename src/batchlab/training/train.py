@@ -186,7 +186,7 @@ def fit(
     noise = NoiseScale(enabled=tc.gns, population=n_train)
     noise.load_state_dict(state.noise_scale)  # a resumed run continues the EMAs
     train = split_tensors(dataset.train, strategy.device)
-    net = strategy.setup(trainee.model, noise, F.cross_entropy, train_rows=train)
+    net = strategy.setup(trainee.model, noise, F.cross_entropy, probe_every=tc.gns_every, train_rows=train)
     x_val, y_val = split_tensors(dataset.val, strategy.device)
     bar = _progress(tc.epochs, state.epoch, strategy.is_main)
     kept: list[tuple[int, torch.Tensor]] = []  # train.curve_weights
