@@ -194,3 +194,19 @@ def test_a_process_calling_main_or_fit_itself_keeps_its_collector_as_it_was(
     assert main(["validate"]) == 0
     collector.resume()  # what fit() calls before its first epoch
     assert gc.isenabled() and gc.get_freeze_count() == frozen
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["predict", "--model", "m.onnx", "--input", "x.csv", "--chunk-rows", "0"],
+         "batchlab predict: error: argument --chunk-rows: must be a positive integer, got '0'"),
+        (["nosuch"], "batchlab: error: argument <command>: invalid choice: 'nosuch'"),
+        ([], "batchlab: error: the following arguments are required: <command>"),
+    ],
+)  # fmt: skip
+def test_a_usage_error_is_one_line_naming_the_argument_and_exit_2(argv: list[str], message: str) -> None:
+    proc = subprocess.run(["batchlab", *argv], env=env_with_venv(), capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    [line] = proc.stderr.splitlines()
+    assert line.startswith(message) and line.endswith("--help` lists the options)"), line

@@ -137,6 +137,12 @@ def test_bad_input_is_one_line_exit_2_and_no_output_file(pipeline: Path, kind: s
     assert not list(pipeline.glob("*bad.csv*"))  # no output, no temporary left
 
 
+def test_a_header_only_input_gives_the_header_only(pipeline: Path) -> None:
+    (pipeline / "header.csv").write_text((pipeline / "raw_test.csv").read_text().splitlines()[0] + "\n")
+    _predict(pipeline, "--model", "models/model.onnx", "--input", "header.csv", "--output", "empty.csv")
+    assert (pipeline / "empty.csv").read_text().splitlines() == ["id,predicted,proba_0,proba_1"]
+
+
 def test_a_model_whose_feature_count_differs_or_that_has_no_scaler_is_refused(pipeline: Path) -> None:
     model = onnx.load(str(pipeline / "models/model.onnx"))
     prep = json.loads(next(p.value for p in model.metadata_props if p.key == "batchlab.preprocessing"))

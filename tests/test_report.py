@@ -122,3 +122,18 @@ def test_the_exact_noise_scale_is_the_headline_and_the_estimate_is_set_beside_it
     text = report.write(found, tmp_path, _context())
     assert "B_simple = 550 exactly (median over the 5 experiments" in text
     assert "estimate there reads 200 (median, the median of estimate / exact 0.36)" in text
+
+
+def test_a_figure_the_seeds_share_is_one_measurement_not_a_mean_plus_minus_zero(tmp_path: Path) -> None:
+    # speed, step memory and peak RSS are the same for both seeds of a batch size (measured once),
+    # F1 differs by seed: only F1 gets an interval
+    results = [_result(b, seed) for b in (16, 64, 256) for seed in (0, 1)]
+    found = analysis.analyse(results, n_test=600, target_val_loss=0.2, memory_budget_mb=None)
+    row = found.rows[0]
+    assert row["samples_per_s_mean"] == 4000.0 and math.isnan(row["samples_per_s_ci95"])
+    assert math.isfinite(row["test_f1_macro_ci95"])
+    text = report.write(found, tmp_path, _context())
+    line = next(line for line in text.splitlines() if line.startswith("| 16 |"))
+    assert "| 4000 | 0.132 |" in line and line.endswith("| 600 |")  # samples/s, step memory, peak RSS
+    assert "0.9505 ± 0.0064" in line  # F1 keeps its interval
+    assert "but samples/s, step memory (MiB), peak RSS (MiB): one measurement per batch size" in text

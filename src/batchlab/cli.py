@@ -14,6 +14,7 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 BAD_INPUT = 2
 # commands whose process may loop for hours outside a training loop, so it keeps collecting garbage
@@ -109,8 +110,15 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line, as every other error (argparse prints the usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(BAD_INPUT, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="batchlab",
         description="batchlab pipeline stages: `dvc repro` runs them in order; `batchlab <command> --help` "
         "says what each one reads and writes.",

@@ -132,7 +132,8 @@ def _table_chunks(frames: Iterator[Any], name: str, model: OnnxClassifier) -> It
             raise DataError(f"{name}: columns {clash} would be overwritten by the output; rename them")
         for c in features:
             column = frame[c]
-            if pd.api.types.is_bool_dtype(column) or not pd.api.types.is_numeric_dtype(column):
+            # an empty column (a header-only input) has no dtype to check: it is numeric enough
+            if len(column) and (pd.api.types.is_bool_dtype(column) or not pd.api.types.is_numeric_dtype(column)):
                 bad = column[pd.to_numeric(column, errors="coerce").isna() & column.notna()]
                 example = (
                     f" (row {start + int(bad.index[0]) - int(frame.index[0])}: {bad.iloc[0]!r})" if len(bad) else ""
@@ -192,14 +193,14 @@ def read_chunks(path: Path, model: OnnxClassifier, chunk_rows: int = CHUNK_ROWS)
 def _write(model: OnnxClassifier, chunks: Iterator[tuple[np.ndarray, Any]], out: IO[str]) -> int:
     import pandas as pd
 
-    rows = 0
+    rows, header = 0, True
     for x, passed in chunks:
         frame = model.frame(x)
         if passed is not None:
             frame = pd.concat([passed.reset_index(drop=True), frame], axis=1)
-        frame.to_csv(out, index=False, header=rows == 0)
-        rows += len(frame)
-    if rows == 0:  # a header-only input still gets the output's header
+        frame.to_csv(out, index=False, header=header)  # a header-only input gets the header alone
+        rows, header = rows + len(frame), False
+    if header:  # no chunk at all (an empty .npy): the output's header
         pd.DataFrame(columns=model.frame(np.zeros((0, model.n_features))).columns).to_csv(out, index=False)
     return rows
 

@@ -35,6 +35,10 @@ FIGURES = (
     "overhead_seconds",
 )
 
+# measured once per batch size when its seeds share it: the speed and step-memory probes (cached
+# per batch size and lr), and a process's peak RSS when the seeds train together in one
+SHARED = ("samples_per_s", "epoch_seconds", "step_memory_mib", "step_memory_plain_mib", "peak_rss_mib")
+
 
 def pick_lrs(results: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[int, float]]:
     """Per batch size, the lr multiplier whose experiments reach the lowest val loss (mean over
@@ -76,7 +80,8 @@ def _finite(values: list[Any]) -> list[float]:
 
 def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per batch size: mean and 95% CI half-width of every figure over the seeds that
-    have it (`reached`: how many seeds reached the target)."""
+    have it (`reached`: how many seeds reached the target). A SHARED figure every seed has the same
+    value of is one measurement they share, so it has no interval: NaN, not ± 0."""
     by_batch: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in results:
         by_batch[r["batch_size"]].append(r)
@@ -92,6 +97,8 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key in FIGURES:
             values = _finite([r.get(key) for r in runs])
             mean, half = mean_ci(values) if values else (math.nan, math.nan)
+            if key in SHARED and len(values) > 1 and len(set(values)) == 1:  # one measurement: no interval
+                half = math.nan
             row[f"{key}_mean"], row[f"{key}_ci95"] = mean, half
         rows.append(row)
     return rows

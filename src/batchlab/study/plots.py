@@ -46,9 +46,11 @@ def against_batch(study: Study, folder: Path) -> None:
     ):
         fig, ax = plt.subplots(figsize=(5, 3.5))
         means = [r[f"{key}_mean"] for r in study.rows]
-        errors = [r[f"{key}_ci95"] if r[f"{key}_ci95"] == r[f"{key}_ci95"] else 0.0 for r in study.rows]
+        halves = [r[f"{key}_ci95"] for r in study.rows]
+        errors = [h if h == h else 0.0 for h in halves]  # NaN: one measurement, no interval
         ax.errorbar(batches, means, yerr=errors, marker="o", capsize=3)
-        ax.set(xlabel="batch size", ylabel=label, title=f"{label} vs batch size (95% CI)")
+        shown = "95% CI" if any(h == h for h in halves) else "one measurement per batch size"
+        ax.set(xlabel="batch size", ylabel=label, title=f"{label} vs batch size ({shown})")
         _batch_axis(ax, batches)
         fig.tight_layout()
         _save(fig, folder / name)

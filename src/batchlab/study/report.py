@@ -168,12 +168,26 @@ def markdown(study: Study, context: dict[str, Any]) -> str:
     if extra:
         parts.append(extra + "\n")
     parts.append(
-        "Every figure is a mean ± the half-width of its 95% confidence interval over seeds. Step memory is the "
+        f"Every figure is a mean ± the half-width of its 95% confidence interval over seeds{_shared(study)}. "
+        "Step memory is the "
         "tensor peak of the largest training step (parameters, gradients, optimizer state, the step's rows, "
         f"activations, and the noise probe's per-example gradients on the steps it measures){_plain_memory(study)}; "
         "peak RSS is the whole process, set mostly by the torch runtime.\n"
     )
     return "\n".join(parts)
+
+
+def _shared(study: Study) -> str:
+    """The table's figures measured once per batch size (no interval), when there are seeds."""
+    shared = [
+        header
+        for header, key, _ in COLUMNS
+        if all(
+            r["seeds"] > 1 and math.isfinite(r[f"{key}_mean"]) and not math.isfinite(r[f"{key}_ci95"])
+            for r in study.rows
+        )
+    ]
+    return f", but {', '.join(shared)}: one measurement per batch size, which its seeds share" if shared else ""
 
 
 def _plain_memory(study: Study) -> str:
