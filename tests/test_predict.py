@@ -137,6 +137,18 @@ def test_bad_input_is_one_line_exit_2_and_no_output_file(pipeline: Path, kind: s
     assert not list(pipeline.glob("*bad.csv*"))  # no output, no temporary left
 
 
+def test_generate_writes_raw_example_rows_that_predict_as_the_test_split_does(pipeline: Path) -> None:
+    # the docs' `batchlab predict --input data/prepared/examples.csv`: the first 20 test rows, raw
+    _predict(pipeline, "--model", "models/model.onnx", "--input", "data/prepared/examples.csv", "--output", "ex.csv")
+    examples = pd.read_csv(pipeline / "data/prepared/examples.csv")
+    assert list(examples.columns) == list(raw_test(load_config(pipeline / "params.yaml")).columns[1:])
+    np.testing.assert_allclose(
+        examples.to_numpy(), raw_test(load_config(pipeline / "params.yaml")).iloc[:20, 1:], rtol=1e-5
+    )
+    got = pd.read_csv(pipeline / "ex.csv", dtype={"predicted": str})["predicted"].tolist()
+    assert got == pd.read_csv(pipeline / "reports/predictions.csv", dtype=str)["predicted"].tolist()[:20]
+
+
 def test_a_header_only_input_gives_the_header_only(pipeline: Path) -> None:
     (pipeline / "header.csv").write_text((pipeline / "raw_test.csv").read_text().splitlines()[0] + "\n")
     _predict(pipeline, "--model", "models/model.onnx", "--input", "header.csv", "--output", "empty.csv")

@@ -33,7 +33,6 @@ NOT_RUN = {
     "python3 -m venv": "GPU set-up (CUDA wheels come from the network)",
     ".venv/bin/pip install --index-url": "GPU set-up (CUDA wheels come from the network)",
     "docker": "no Docker engine on this machine",
-    ".venv/bin/batchlab predict": "needs a file of raw rows: tests/test_predict.py",
     ".venv/bin/batchlab reproduce": "needs a run id from a clean commit: tests/test_reproduce.py",
     ".venv/bin/mlflow models serve": "serves until stopped: tests/test_predict.py",
     ".venv/bin/dask scheduler": "serves until stopped: tests/test_dask_sweep.py starts one",

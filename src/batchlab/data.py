@@ -200,6 +200,10 @@ def _source_name(cfg: DataConfig) -> str:
     return Path(cfg.csv_path or "").name if cfg.source == "csv" else f"data.source {cfg.source}"
 
 
+EXAMPLES = "examples.csv"  # in the prepared folder: raw rows for `batchlab predict`
+EXAMPLE_ROWS = 20
+
+
 def save(dataset: Dataset, scaler: dict[str, list[float]], folder: str | Path, inputs_key: str = "") -> dict[str, Any]:
     """Write one .npy per array (byte-for-byte reproducible) plus dataset.json, atomically.
 
@@ -213,7 +217,21 @@ def save(dataset: Dataset, scaler: dict[str, list[float]], folder: str | Path, i
             np.save(tmp / f"x_{name}.npy", split.x)
             np.save(tmp / f"y_{name}.npy", split.y)
         (tmp / "dataset.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if len(scaler.get("std", [])) == dataset.test.x.shape[1]:  # the scaling known: the raw rows are
+            _write_examples(dataset, scaler, tmp / EXAMPLES)
     return summary
+
+
+def _write_examples(dataset: Dataset, scaler: dict[str, list[float]], path: Path) -> None:
+    """The first EXAMPLE_ROWS test rows as raw features (the scaling undone), with their names:
+    rows to try `batchlab predict` on, as the docs' command does."""
+    import csv
+
+    rows = dataset.test.x[:EXAMPLE_ROWS].astype(np.float64) * np.asarray(scaler["std"]) + np.asarray(scaler["mean"])
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(dataset.feature_names)
+        writer.writerows([f"{v:.6g}" for v in row] for row in rows)
 
 
 def load(folder: str | Path) -> Dataset:
