@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 # Prefect reads its settings on import: pipeline.py's defaults (why: see there), set before it
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -91,13 +92,32 @@ def deploy_to_pool(pool: str, source: str, params: str = "params.yaml", root: st
     return names
 
 
+def deploy_or_say_why(pool: str, source: str) -> int:
+    """`--pool`: deploy, or one line on stderr naming what is missing and how to make it (exit 1)."""
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
+    try:
+        for deployed in deploy_to_pool(pool, source):
+            print(f"deployed {deployed} to work pool {pool!r}")
+    except ValueError as err:
+        if "work pool" not in str(err):
+            raise
+        print(f"serve.py: error: no work pool {pool!r} on the Prefect server; create it first: "
+              f"prefect work-pool create {pool} --type process", file=sys.stderr)  # fmt: skip
+        return 1
+    except httpx.HTTPError as err:
+        print(f"serve.py: error: the Prefect API at {PREFECT_API_URL.value()} did not answer ({err}); start the "
+              "server (`prefect server start`) or point PREFECT_API_URL at yours", file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pool", help="store the deployments on this process work pool instead of serving them")
     parser.add_argument("--source", default=str(Path(__file__).resolve().parents[1]), help="the workers' checkout")
     args = parser.parse_args()
     if args.pool:
-        for deployed in deploy_to_pool(args.pool, args.source):
-            print(f"deployed {deployed} to work pool {args.pool!r}")
-    else:
-        serve(*deployments())
+        sys.exit(deploy_or_say_why(args.pool, args.source))
+    serve(*deployments())

@@ -18,9 +18,20 @@ from tests.conftest import env_with_venv, prefect_call, prefect_server, run, wai
 pytestmark = pytest.mark.slow
 
 
+def test_deploying_to_an_api_that_does_not_answer_is_one_line_and_exit_1(repo_copy: Path, tmp_path: Path) -> None:
+    env = {"PREFECT_API_URL": "http://127.0.0.1:9/api", "PREFECT_HOME": str(tmp_path / "home")}  # port 9: discard
+    proc = run(["python", "flows/serve.py", "--pool", "batchlab"], repo_copy, check=False, **env)
+    assert proc.returncode == 1, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("serve.py: error: the Prefect API at http://127.0.0.1:9/api did not answer"), line
+
+
 def test_a_worker_on_the_work_pool_runs_a_triggered_scheduled_deployment(repo_copy: Path, tmp_path: Path) -> None:
     with prefect_server(tmp_path) as api:
         env = {"PREFECT_API_URL": api, "PREFECT_HOME": str(tmp_path / "client-home")}
+        missing = run(["python", "flows/serve.py", "--pool", "batchlab"], repo_copy, check=False, **env)
+        assert missing.returncode == 1 and len(missing.stderr.strip().splitlines()) == 1, missing.stderr
+        assert "no work pool 'batchlab'" in missing.stderr and "prefect work-pool create batchlab" in missing.stderr
         run(["prefect", "work-pool", "create", "batchlab", "--type", "process"], repo_copy, **env)
         deployed = run(["python", "flows/serve.py", "--pool", "batchlab"], repo_copy, **env).stdout
         assert "deployed batchlab-pipeline/nightly to work pool 'batchlab'" in deployed
