@@ -430,3 +430,41 @@ print("logged")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert "logged" in done.stdout, (done.returncode, done.stderr)
     assert "required: numpy==0.0.1" in done.stderr  # MLflow's mismatch warning, as without the shim
+
+
+def _log_the_dataset_at_once(uri: str, barrier: Any, answers: Any) -> None:
+    """One experiment's process: open its run, wait for the others, log the shared dataset."""
+    from batchlab.data import build
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tracking={"enabled": True, "tracking_uri": uri})
+    tracking.quiet_mlflow()
+    try:
+        with tracking.run(cfg.tracking, name="racer") as tracker:
+            barrier.wait()
+            tracker.log_datasets(build(cfg.data)[0], "synthetic")
+        answers.put("ok")
+    except Exception as err:  # the answer the parent asserts on
+        answers.put(f"{type(err).__name__}: {str(err)[:120]}")
+
+
+@pytest.mark.slow
+def test_runs_logging_the_same_dataset_at_once_all_log_it(tmp_path: Path) -> None:
+    # MLflow adds a dataset as "look it up, insert it if absent": 4 processes at a barrier all
+    # insert, and without a retry 3 of them failed on the unique key (UNIQUE constraint failed:
+    # datasets...), as a Prefect sweep's tasks did in CI
+    import multiprocessing
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with tracking.run(TrackingConfig(enabled=True, tracking_uri=uri), name="creates-the-store"):
+        pass
+    context = multiprocessing.get_context("spawn")
+    barrier, answers = context.Barrier(4), context.Queue()
+    racers = [context.Process(target=_log_the_dataset_at_once, args=(uri, barrier, answers)) for _ in range(4)]
+    for racer in racers:
+        racer.start()
+    for racer in racers:
+        racer.join(timeout=300)
+    assert [answers.get(timeout=10) for _ in racers] == ["ok"] * 4
+    runs = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name("batchlab").experiment_id])
+    assert sum(len(r.inputs.dataset_inputs) == 3 for r in runs if r.info.run_name == "racer") == 4

@@ -70,12 +70,18 @@ def prepare_backend(uri: str) -> None:
 
 
 def retry_locked(call: Any, *args: Any, **kwargs: Any) -> Any:
-    """SQLite says 'database is locked' when another process holds the write lock too long."""
+    """SQLite says 'database is locked' when another process holds the write lock too long. And
+    MLflow's store adds a dataset as "look it up, insert it if absent": two runs logging the same
+    dataset at once (a sweep's experiments on a cluster) both insert, and the second fails on the
+    unique key (SQLite's "UNIQUE constraint failed: datasets...", PostgreSQL's "duplicate key value
+    ... datasets"); tried again, it finds the row the first wrote."""
     for attempt in range(8):
         try:
             return call(*args, **kwargs)
         except Exception as err:
-            if "database is locked" not in str(err) or attempt == 7:
+            text = str(err)
+            raced = "UNIQUE constraint failed: datasets" in text or ("duplicate key" in text and "datasets" in text)
+            if not ("database is locked" in text or raced) or attempt == 7:
                 raise
             time.sleep(0.2 * 2**attempt)
     return None
