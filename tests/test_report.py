@@ -121,6 +121,8 @@ def test_the_exact_noise_scale_is_the_headline_and_the_estimate_is_set_beside_it
     assert figures["b_crit_over_b_simple_exact"] == pytest.approx(found.fit.b_crit / 550.0)
     text = report.write(found, tmp_path, _context())
     assert "B_simple = 550 exactly (median over the 5 experiments" in text
+    assert f"masks counted as noise); B_crit / B_simple = {found.fit.b_crit / 550.0:.2f}. The" in text
+    assert "{" not in text  # every placeholder filled
     assert "estimate there reads 200 (median, the median of estimate / exact 0.36)" in text
 
 

@@ -120,7 +120,7 @@ def noise_text(study: Study) -> list[str]:
         return [
             f"Gradient noise scale at the target: B_simple = {truth.b_simple:.0f} exactly (median over the "
             f"{truth.count} experiments that reached it: tr(Σ)/|G|² from every train row's gradient at the weights "
-            "of the val point where each first reached it, dropout's masks counted as noise){ratio}. The "
+            f"of the val point where each first reached it, dropout's masks counted as noise){ratio}. The "
             f"in-training estimate there reads {estimate} (median{unread}{apart}). McCandlish et al. find "
             "B_crit ≈ B_simple to within an order of magnitude. B_simple grows as the loss falls (the noise-scale "
             "plot), so the steps B_crit is fitted from are spent mostly at a smaller noise scale than the "
@@ -169,9 +169,9 @@ def markdown(study: Study, context: dict[str, Any]) -> str:
         parts.append(extra + "\n")
     parts.append(
         f"Every figure is a mean ± the half-width of its 95% confidence interval over seeds{_shared(study)}. "
-        "Step memory is the "
-        "tensor peak of the largest training step (parameters, gradients, optimizer state, the step's rows, "
-        f"activations, and the noise probe's per-example gradients on the steps it measures){_plain_memory(study)}; "
+        "Step memory is the tensor peak of the largest training step (parameters, gradients, optimizer state, "
+        "the step's rows, activations, and the noise probe's pass over the train split on the steps it "
+        f"measures){_plain_memory(study)}; "
         "peak RSS is the whole process, set mostly by the torch runtime.\n"
     )
     return "\n".join(parts)

@@ -8,7 +8,8 @@
     checkpoint  atomic per-epoch checkpoints, exact resume
     resume      a resumed training continues its MLflow run
     gns         the gradient noise scale B_simple: estimators, EMAs
-    gns_probes  its small batches: per-example gradients, micro-batches, a DDP hook
+    gns_probes  its probe: the train split's mean gradient at fixed weights
+    gns_exact   the exact value, from every row's own gradient
     memory      the tensor peak of one training step
     peaks       the process's peak memory (CUDA allocations or RSS)
     launch      torchrun; which threads each stage's process applies

@@ -211,7 +211,7 @@ class Strategy:
 
     def backward(self, loss: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """Backward of one micro-batch's mean loss over `inputs`, scaled so the accumulated gradient
-        is the step's mean. The noise probe sees the rows (per-example gradients are taken of them)."""
+        is the step's mean. The noise probe counts the rows (its period follows the batch)."""
         if self.grad_accum_steps > 1:
             loss = loss / self.grad_accum_steps
         self.scaler.scale(loss).backward()
