@@ -34,6 +34,8 @@ NOT_RUN = {
     ".venv/bin/pip install --index-url": "GPU set-up (CUDA wheels come from the network)",
     "docker": "no Docker engine on this machine",
     ".venv/bin/batchlab reproduce": "needs a run id from a clean commit: tests/test_reproduce.py",
+    ".venv/bin/batchlab predict --model models:/": "a registry `make run` may restore from DVC's cache without "
+    "registering: tests/test_predict.py::test_mlflow_uris_name_the_same_model",
     'PATH="$PWD/.venv/bin:$PATH" .venv/bin/mlflow models serve': "serves until stopped: tests/test_predict.py",
     ".venv/bin/dask scheduler": "serves until stopped: tests/test_dask_sweep.py starts one",
     "DASK_DISTRIBUTED__WORKER__DAEMON=False": "serves until stopped: tests/test_dask_sweep.py starts two workers",
