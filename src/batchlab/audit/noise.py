@@ -16,6 +16,7 @@ from batchlab import atomic, data
 from batchlab.model import load_model
 from batchlab.paths import Paths
 from batchlab.training.gns_exact import exact_noise_scale
+from batchlab.training.train import split_tensors
 
 
 def report(paths: Paths, draws: int) -> str:
@@ -24,7 +25,7 @@ def report(paths: Paths, draws: int) -> str:
         raise FileNotFoundError(f"{paths.model} does not exist: train first (`batchlab train` or `dvc repro train`)")
     model, _ = load_model(paths.model)
     dataset = data.load(paths.data)
-    x, y = torch.from_numpy(dataset.train.x), torch.from_numpy(dataset.train.y)
+    x, y = split_tensors(dataset.train, torch.device("cpu"))
     exact = exact_noise_scale(model.train(), F.cross_entropy, x, y, draws=draws)
     history = paths.reports / "history.csv"
     rows = atomic.read_csv(history) if history.is_file() else []

@@ -22,6 +22,7 @@ from batchlab.config import Config
 from batchlab.model import build_model, save_torch
 from batchlab.study import critical
 from batchlab.training.gns_exact import exact_noise_scale
+from batchlab.training.train import split_tensors
 
 EXACT = "exact_noise.json"
 
@@ -32,15 +33,13 @@ def trim(folder: stages.Paths, curve_val_loss: list[float], target_val_loss: flo
     plus the margin), up to the first at or below that."""
     bound = target_val_loss if target_val_loss is not None else min(curve_val_loss) * (1 + critical.TARGET_MARGIN)
     last = next((i for i, loss in enumerate(curve_val_loss) if loss <= bound), len(curve_val_loss) - 1)
-    _keep_first(folder, last + 1)
+    if folder.curve_weights.is_file():
+        _keep_first(folder, torch.load(folder.curve_weights, weights_only=True), last + 1)
 
 
-def _keep_first(folder: stages.Paths, points: int) -> None:
-    """Keep the weights of the first `points` val points only (none kept: nothing to do)."""
+def _keep_first(folder: stages.Paths, saved: dict[str, Any], points: int) -> None:
+    """Keep the weights `saved` (the folder's, loaded) of the first `points` val points only."""
     path = folder.curve_weights
-    if not path.is_file():
-        return
-    saved = torch.load(path, weights_only=True)
     if len(saved["steps"]) > points:
         # a clone: a saved slice would keep the whole storage it views
         save_torch(path, {"steps": saved["steps"][:points], "weights": saved["weights"][:points].clone()})
@@ -57,15 +56,14 @@ def exact_at(cfg: Config, folder: stages.Paths, dataset: data.Dataset, step: int
     path = folder.curve_weights
     saved = torch.load(path, weights_only=True) if path.is_file() else None
     if saved is not None and step in saved["steps"]:
-        _keep_first(folder, saved["steps"].index(step) + 1)
+        _keep_first(folder, saved, saved["steps"].index(step) + 1)
     if str(step) in known:
         return known[str(step)]
     if saved is None or step not in saved["steps"]:
         return None
     model = build_model(cfg.model, dataset.n_features, dataset.n_classes).train()
     vector_to_parameters(saved["weights"][saved["steps"].index(step)], model.parameters())
-    x, y = torch.from_numpy(dataset.train.x), torch.from_numpy(dataset.train.y)
-    exact = exact_noise_scale(model, F.cross_entropy, x, y)
+    exact = exact_noise_scale(model, F.cross_entropy, *split_tensors(dataset.train, torch.device("cpu")))
     known[str(step)] = {"b_simple": exact.b_simple, "grad_sq": exact.grad_sq, "trace": exact.trace,
                         "trace_mask": exact.trace_mask, "rows": exact.rows, "draws": exact.draws}  # fmt: skip
     atomic.write_json(cache, {"key": key, "steps": known})  # a retrained experiment's key differs

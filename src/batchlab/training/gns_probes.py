@@ -1,6 +1,6 @@
 """The probe that measures the noise scale's |G|² at fixed weights, against which the steps' own
 gradient norms give tr(Σ) (gns.py has the estimators): the train split's mean gradient, on one
-process or split over DDP's ranks. The strategy builds it (strategy.py, through `probe_for`)."""
+process or split over DDP's ranks. The strategy builds it (strategy.py)."""
 
 from __future__ import annotations
 
@@ -105,13 +105,3 @@ class FullSplitProbe:
             total = flat if total is None else total + flat
         assert total is not None
         return total
-
-
-def probe_for(
-    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, every: int | None = None,
-    rank: int = 0, world_size: int = 1,
-) -> FullSplitProbe:  # fmt: skip
-    """The probe (one process or a DDP rank, with or without accumulation): the train split's mean
-    gradient (of `loss_fn`) at fixed weights, through the plain `model` (not its DDP wrapper).
-    `every`: measure every this many steps (default: from the cost model)."""
-    return FullSplitProbe(model, loss_fn, x, y, every, rank=rank, world_size=world_size)

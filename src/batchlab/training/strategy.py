@@ -30,7 +30,7 @@ from batchlab.config import TrainConfig
 from batchlab.training import peaks
 from batchlab.training.checkpoint import Checkpoint, sharded_folder
 from batchlab.training.gns import NoiseScale
-from batchlab.training.gns_probes import FullSplitProbe, LossFn, probe_for
+from batchlab.training.gns_probes import FullSplitProbe, LossFn
 from batchlab.training.support import resolve_device
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ class Strategy:
         every gradient becomes a view of one flat buffer, so the norm and the zeroing are one op each
         (~25% of a small model's step). DDP: the wrapped model, which owns its gradient buckets.
         FSDP: the model `prepare` sharded. With an enabled `noise`, steps also measure the noise scale
-        into it (gns.py; gns_probes.py, every `probe_every` steps if given): the mean gradient (of
+        into it (gns.py; gns_probes.FullSplitProbe, every `probe_every` steps if given): the mean gradient (of
         `loss_fn`) over `train_rows` (the train split, on the device) at fixed weights, its rows
         split over DDP's ranks. Not under FSDP (its forward gathers the shards)."""
         self.reset_peak_memory()
@@ -176,7 +176,8 @@ class Strategy:
             ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
             if self._noise is not None:
                 assert train_rows is not None, "the noise probe passes over the train rows: give them"
-                self._probe = probe_for(model, loss_fn, *train_rows, probe_every, self.rank, self.world_size)
+                rank, world = self.rank, self.world_size  # each rank its share of the rows
+                self._probe = FullSplitProbe(model, loss_fn, *train_rows, probe_every, rank=rank, world_size=world)
             return ddp
         flat, offset = torch.zeros(sum(p.numel() for p in self._params), device=self.device), 0
         for p in self._params:
@@ -185,7 +186,7 @@ class Strategy:
         self._flat_grads = flat
         if self._noise is not None:
             assert train_rows is not None, "the noise probe passes over the train rows: give them"
-            self._probe = probe_for(model, loss_fn, *train_rows, every=probe_every)
+            self._probe = FullSplitProbe(model, loss_fn, *train_rows, probe_every)
         return model
 
     def micro_batches(self, net: nn.Module, batch: torch.Tensor) -> Iterator[torch.Tensor]:
