@@ -4,6 +4,8 @@ evaluate found and one probability per class out, through onnxruntime only."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +139,57 @@ def test_bad_input_is_one_line_exit_2_and_no_output_file(pipeline: Path, kind: s
     assert not list(pipeline.glob("*bad.csv*"))  # no output, no temporary left
 
 
+def test_a_bad_row_after_predicted_chunks_leaves_stdout_empty(pipeline: Path) -> None:
+    name = _bad_input(pipeline, "nan")
+    # the docs' `batchlab predict ... > predictions.csv`: stdout is the file the shell opened;
+    # chunks of 16 rows: the bad row 40 is in the third, after two chunks were predicted
+    with (pipeline / "redirected.csv").open("w") as stdout:
+        proc = subprocess.run(
+            ["batchlab", "predict", "--model", "models/model.onnx", "--input", name, "--chunk-rows", "16"],
+            cwd=pipeline, env=env_with_venv(), stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=600,
+        )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "missing, NaN or infinite value in column 'x3' (row 40)" in proc.stderr
+    assert (pipeline / "redirected.csv").read_text() == ""
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()  # reaped: its pid names no process now (a reuse this soon is rarer still)
+    return proc.pid
+
+
+def test_a_sigkilled_predicts_temporary_goes_at_the_next_run_and_a_running_ones_stays(pipeline: Path) -> None:
+    folder = pipeline / "killed"
+    folder.mkdir()
+    frame = pd.read_csv(pipeline / "raw_test.csv")
+    pd.concat([frame] * (20_000 // len(frame) + 1)).to_csv(folder / "many.csv", index=False)
+    args = ["batchlab", "predict", "--model", "models/model.onnx", "--output", "killed/out.csv"]
+    # one row per chunk: tens of seconds, long enough to write beside it and to kill it mid-run
+    slow = subprocess.Popen([*args, "--input", "killed/many.csv", "--chunk-rows", "1"], cwd=pipeline,
+                            env=env_with_venv(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        tmp = wait_until(lambda: next(folder.glob(".out.csv.*.tmp"), None), "predict's temporary", process=slow)
+        assert tmp.name.startswith(f".out.csv.{slow.pid}."), tmp.name
+        host = tmp.name.split(".")[4]
+        dead = _dead_pid()
+        others = [f".out.csv.{dead}.other-host.abcd1234.tmp", ".out.csv.abcd1234.tmp",  # another host's; no pid
+                  f".other.csv.{dead}.{host}.abcd1234.tmp", "notes.txt"]  # another output's; a user's  # fmt: skip
+        for other in others:
+            (folder / other).write_text("not predict's to remove")
+        # a second predict of the same output while the first runs: the running one's temporary stays
+        run([*args, "--input", "raw_test.csv"], pipeline)
+        assert slow.poll() is None and tmp.exists()
+        assert (folder / "out.csv").read_text() == (pipeline / REFERENCE).read_text()
+    finally:
+        os.kill(slow.pid, signal.SIGKILL)  # what the user did: nothing in the process can clean up
+        slow.wait()
+    assert tmp.exists()  # left behind, as the user found it
+    run([*args, "--input", "raw_test.csv"], pipeline)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["many.csv", "out.csv", *others])
+    assert (folder / "out.csv").read_text() == (pipeline / REFERENCE).read_text()
+
+
 def test_generate_writes_raw_example_rows_that_predict_as_the_test_split_does(pipeline: Path) -> None:
     # the docs' `batchlab predict --input data/prepared/examples.csv`: the first 20 test rows, raw
     _predict(pipeline, "--model", "models/model.onnx", "--input", "data/prepared/examples.csv", "--output", "ex.csv")
@@ -218,14 +271,14 @@ def test_mlflow_models_serve_answers_with_class_and_probabilities(pipeline: Path
     try:
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: requests.get(f"{url}/ping", timeout=2).ok, "the model server", process=server, log=log)
-        rows = pd.read_csv(pipeline / "raw_test.csv", float_precision="round_trip").drop(columns="id").head(3)
-        body = {"dataframe_split": json.loads(rows.to_json(orient="split", index=False))}
+        rows = pd.read_csv(pipeline / "raw_test.csv", float_precision="round_trip").drop(columns="id")
+        body = {"dataframe_split": json.loads(rows.to_json(orient="split", index=False, double_precision=15))}
         answer = requests.post(f"{url}/invocations", json=body, timeout=30).json()["predictions"]
     finally:
         server.terminate()
         server.wait(timeout=60)
-    expected = pd.read_csv(pipeline / REFERENCE, dtype={"predicted": str}).drop(columns="id").head(3)
-    answered = pd.DataFrame(answer)
+    expected = pd.read_csv(pipeline / REFERENCE, dtype={"predicted": str}).drop(columns="id")
+    answered = pd.DataFrame(answer)  # every test row: 0 classes differ from `batchlab predict`
     assert list(answered.columns) == ["predicted", "proba_0", "proba_1"]
     assert answered["predicted"].tolist() == expected["predicted"].tolist()
     np.testing.assert_allclose(answered[["proba_0", "proba_1"]], expected[["proba_0", "proba_1"]], rtol=1e-6)
