@@ -90,8 +90,9 @@ def test_predict_imports_no_torch_and_streams_parquet_and_npy_in_chunks_to_the_s
 def test_mlflow_uris_name_the_same_model(pipeline: Path) -> None:
     run_id = json.loads((pipeline / "reports/train.json").read_text())["run_id"]
     expected = (pipeline / REFERENCE).read_text()
-    # the champion is the torch model train logged: it stands for the predictor of its run
-    for uri in ("models:/batchlab-mlp@champion", f"runs:/{run_id}/predictor", f"runs:/{run_id}/onnx_model"):
+    # the registry's versions are the predictor; the torch model stands for the predictor of its run
+    for uri in ("models:/batchlab-mlp@champion", "models:/batchlab-mlp/1", f"runs:/{run_id}/predictor",
+                f"runs:/{run_id}/onnx_model", f"runs:/{run_id}/torch_model"):  # fmt: skip
         assert _predict(pipeline, "--model", uri, "--input", "raw_test.csv").stdout == expected, uri
 
 
@@ -235,11 +236,16 @@ def test_pyfunc_predictor_returns_class_and_probabilities_and_mlflow_evaluate_sc
     # test's subprocesses would log into this store
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     mlflow.set_tracking_uri(uri)
-    run_id = json.loads((pipeline / "reports/train.json").read_text())["run_id"]
-    predictor = mlflow.pyfunc.load_model(f"runs:/{run_id}/predictor")
+    # what the registry serves under the name and the champion alias takes raw rows, as predict does
+    predictor = mlflow.pyfunc.load_model("models:/batchlab-mlp@champion")
     rows = pd.read_csv(pipeline / "raw_test.csv", float_precision="round_trip").drop(columns="id")
     expected = pd.read_csv(pipeline / REFERENCE, dtype={"predicted": str}).drop(columns="id")
     pd.testing.assert_frame_equal(predictor.predict(rows), expected, check_dtype=False)
+    version = mlflow.MlflowClient().get_model_version_by_alias("batchlab-mlp", "champion")
+    run_id = json.loads((pipeline / "reports/train.json").read_text())["run_id"]
+    assert version.description.startswith("Raw feature rows in, class and probabilities out") and (
+        f"runs:/{run_id}/torch_model" in version.description
+    ), version.description
     # the evaluator takes one column of classes (probabilities only from scikit-learn models)
     labels = pd.read_csv(pipeline / "reports/predictions.csv", dtype=str)["actual"]
     result = mlflow.models.evaluate(
@@ -258,12 +264,11 @@ def test_pyfunc_predictor_returns_class_and_probabilities_and_mlflow_evaluate_sc
 def test_mlflow_models_serve_answers_with_class_and_probabilities(pipeline: Path) -> None:
     import requests
 
-    run_id = json.loads((pipeline / "reports/train.json").read_text())["run_id"]
     port = free_port()
     log = pipeline / "serve.log"
     with log.open("w") as out:
         server = subprocess.Popen(
-            ["mlflow", "models", "serve", "-m", f"runs:/{run_id}/predictor", "--env-manager", "local",
+            ["mlflow", "models", "serve", "-m", "models:/batchlab-mlp@champion", "--env-manager", "local",
              "-h", "127.0.0.1", "-p", str(port)],
             cwd=pipeline, env=env_with_venv(MLFLOW_TRACKING_URI=f"sqlite:///{pipeline / 'mlflow.db'}"),
             stdout=out, stderr=subprocess.STDOUT,

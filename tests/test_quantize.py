@@ -1,4 +1,4 @@
-"""export.quantize: an int8 model beside the fp32 one, smaller and as accurate, or no int8 model and a
+"""export.quantize: an int8 model in models/int8/ (a DVC output), smaller and as accurate, or no int8 model and a
 failed stage when it loses more test F1 than export.quantize_max_f1_drop."""
 
 from __future__ import annotations
@@ -12,11 +12,14 @@ import pytest
 import torch
 from sklearn.linear_model import LogisticRegression
 
+from mlflow import MlflowClient
+
 from batchlab import data, stages
 from batchlab.config import ModelConfig
 from batchlab.inference.predict import OnnxClassifier
 from batchlab.model import build_model, save_model
-from tests.conftest import TINY, merge, run, tiny_config, write_params
+from batchlab.tracking.base import FAILED_ATTEMPT
+from tests.conftest import TINY, merge, run, set_params, tiny_config, write_params
 
 
 @pytest.mark.parametrize("mode", ["dynamic", "static"])
@@ -26,8 +29,8 @@ def test_int8_model_passes_the_gate_is_smaller_and_predicts_like_fp32(workdir: P
     stages.train(cfg)
     report = stages.export(cfg)["quantize"]
     assert report == json.loads((workdir / "reports/export.json").read_text())["quantize"]
-    int8 = workdir / "models/model.int8.onnx"
-    assert report["file"] == "models/model.int8.onnx" and int8.stat().st_size == report["int8_bytes"]
+    int8 = workdir / "models/int8/model.int8.onnx"
+    assert report["file"] == "models/int8/model.int8.onnx" and int8.stat().st_size == report["int8_bytes"]
     assert report["int8_bytes"] < report["fp32_bytes"] / 1.5, report
     assert report["f1_drop"] <= 0.005 and report["f1_drop"] == pytest.approx(
         report["f1_macro_fp32"] - report["f1_macro_int8"]
@@ -56,14 +59,18 @@ def _int8_breaking_model(dataset: data.Dataset) -> torch.nn.Module:
 
 @pytest.mark.slow
 def test_an_int8_model_beyond_the_f1_drop_fails_export_and_leaves_no_int8_file(tmp_path: Path) -> None:
-    params = merge(TINY, {"export": {"quantize": "dynamic", "atol": 1e-3}})
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    params = merge(TINY, {"export": {"quantize": "dynamic", "atol": 1e-3},
+                          "tracking": {"enabled": True, "tracking_uri": store}})  # fmt: skip
     write_params(tmp_path, params)
     paths = stages.Paths(root=tmp_path)
     stages.generate(tiny_config(**params), paths)
+    run(["batchlab", "train"], tmp_path)  # a good tracked run, which export logs into
     dataset = data.load(paths.data)
     save_model(paths.model, _int8_breaking_model(dataset), ModelConfig(hidden_sizes=[]), dataset.n_features,
                dataset.class_names)  # fmt: skip
-    int8 = tmp_path / "models/model.int8.onnx"
+    int8 = tmp_path / "models/int8/model.int8.onnx"
+    int8.parent.mkdir(parents=True)
     int8.write_bytes(b"an int8 model of an earlier run")
 
     proc = run(["batchlab", "export"], tmp_path, check=False)
@@ -75,9 +82,50 @@ def test_an_int8_model_beyond_the_f1_drop_fails_export_and_leaves_no_int8_file(t
         line,
     ), proc.stderr
     assert not int8.exists() and not list(int8.parent.glob(".model.int8*"))  # no temporary either
+    # the export attempt failed, not the trained run: it stays FINISHED, the failure is a tag on it
+    run_id = json.loads((tmp_path / "reports/train.json").read_text())["run_id"]
+    trained = MlflowClient(store).get_run(run_id)
+    assert trained.info.status == "FINISHED", trained.info.status
+    assert trained.data.tags[FAILED_ATTEMPT].startswith("QuantizationError: the dynamic int8 model loses ")
 
     params["export"]["quantize"] = "none"  # the fp32 model alone: it passes the parity gate
     write_params(tmp_path, params)
     run(["batchlab", "export"], tmp_path)
     assert "quantize" not in json.loads((tmp_path / "reports/export.json").read_text())
     assert not int8.exists()
+
+
+@pytest.mark.slow
+def test_the_int8_model_is_versioned_by_dvc_restored_by_checkout_and_verified(repo_copy: Path) -> None:
+    set_params(repo_copy, "export", quantize="dynamic")
+    run(["dvc", "repro", "export"], repo_copy)
+    int8 = repo_copy / "models/int8/model.int8.onnx"
+    made = int8.read_bytes()
+    run(["git", "add", "-A"], repo_copy)
+    run(["git", "commit", "-qm", "int8"], repo_copy)
+
+    set_params(repo_copy, "export", quantize="none")
+    run(["dvc", "repro", "export"], repo_copy)
+    assert not int8.exists() and "quantize" not in json.loads((repo_copy / "reports/export.json").read_text())
+    set_params(repo_copy, "export", quantize="dynamic")  # back: restored from the run-cache, int8 file and all
+    proc = run(["dvc", "repro", "export"], repo_copy)
+    assert "Stage 'export' is cached - skipping run, checking out outputs" in proc.stdout, proc.stdout
+    assert int8.read_bytes() == made
+
+    set_params(repo_copy, "export", quantize="none")
+    run(["dvc", "repro", "export"], repo_copy)
+    run(["git", "commit", "-qam", "fp32 only"], repo_copy)
+    run(["git", "checkout", "-q", "HEAD~1"], repo_copy)
+    run(["dvc", "checkout", "export"], repo_copy)
+    assert int8.read_bytes() == made
+    run(["git", "checkout", "-q", "-"], repo_copy)
+    run(["dvc", "checkout", "export"], repo_copy)
+    assert not int8.exists()  # no int8 file of another model stays
+
+    run(["git", "checkout", "-q", "HEAD~1"], repo_copy)
+    run(["dvc", "checkout", "export"], repo_copy)
+    damaged = bytearray(made)
+    damaged[100] ^= 0xFF
+    int8.write_bytes(bytes(damaged))
+    proc = run(["batchlab", "verify"], repo_copy, check=False)
+    assert proc.returncode == 1 and "mismatch: models/int8/model.int8.onnx: md5 " in proc.stdout, proc.stdout

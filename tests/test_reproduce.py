@@ -21,6 +21,8 @@ def test_only_code_changes_make_a_tree_dirty_not_what_dvc_repro_rewrites(
     with (repo_copy / "dvc.lock").open("a") as lock:  # generate rewrote it before train started
         lock.write("\n")
     (repo_copy / "reports/metrics.json").write_text("{}\n")  # an output Git tracks (cache: false)
+    with (repo_copy / "params.yaml").open("a") as params:  # `dvc exp run -S` edits it; the run records its params
+        params.write("\n")
     assert git_tags()["git.dirty"] == "false"
     with (repo_copy / "src/batchlab/model.py").open("a") as code:
         code.write("# an edit not committed\n")
@@ -83,3 +85,20 @@ def test_a_run_made_here_reproduces_identically_and_a_differing_record_gets_a_ta
         proc.stderr.strip().splitlines()[-1]
         == f"batchlab: error: run {run_id} did not reproduce (the table above says where)"
     )
+
+
+@pytest.mark.slow
+def test_a_dvc_exp_run_with_a_set_param_is_clean_and_reproduces(repo_copy: Path) -> None:
+    """`dvc exp run -S` edits params.yaml in the workspace; the run records every param, so it is no
+    reason to refuse: the rebuild at the commit, with the recorded params, gives the same weights."""
+    set_params(repo_copy, "tracking", enabled=True, tracking_uri=_store(repo_copy))
+    run(["git", "commit", "-qam", "track runs"], repo_copy)
+    commit = run(["git", "rev-parse", "HEAD"], repo_copy).stdout.strip()
+    run(["dvc", "exp", "run", "-S", "train.lr=0.004", "train"], repo_copy)
+    assert "lr: 0.004" in (repo_copy / "params.yaml").read_text()  # uncommitted: the workspace holds the change
+    run_id = json.loads((repo_copy / "reports/train.json").read_text())["run_id"]
+    run_data = MlflowClient(_store(repo_copy)).get_run(run_id).data
+    assert (run_data.params["train.lr"], run_data.tags["git.dirty"]) == ("0.004", "false")
+
+    proc = run(["batchlab", "reproduce", run_id], repo_copy)
+    assert proc.stdout.strip().startswith(f"reproduce: run {run_id} at {commit[:12]}: identical ("), proc.stdout

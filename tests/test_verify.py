@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,7 +87,25 @@ def test_pipeline_outputs_cache_and_mlflow_models_are_checked(repo_copy: Path) -
     run(["dvc", "repro", "evaluate", "export"], repo_copy)
     status, lines, err = _verify(repo_copy)
     assert status == 0, (lines, err)
-    assert re.fullmatch(r"verify: \d+ files of 11 DVC outputs, 3 MLflow models re-hashed; all match", lines[0]), lines
+    assert re.fullmatch(r"verify: \d+ files of 12 DVC outputs, 3 MLflow models re-hashed; all match", lines[0]), lines
+
+    # MLflow writes registered_model_meta into the model's folder when a registered version is loaded:
+    # not batchlab's file, not a mismatch
+    store = f"sqlite:///{repo_copy / 'mlflow.db'}"
+    subprocess.run([sys.executable, "-c", "import mlflow, sys; mlflow.set_tracking_uri(sys.argv[1]); "
+                    "mlflow.pyfunc.load_model('models:/batchlab-mlp@champion')", store],
+                   cwd=repo_copy, check=True, capture_output=True)  # fmt: skip
+    assert list((repo_copy / "mlruns").glob("*/models/*/artifacts/registered_model_meta"))
+    status, lines, err = _verify(repo_copy)
+    assert status == 0 and lines[0].endswith("all match"), (lines, err)
+
+    # an output deleted from the workspace, its cache entry intact: a mismatch, not a note
+    onnx_bytes = (repo_copy / "models/model.onnx").read_bytes()
+    (repo_copy / "models/model.onnx").unlink()
+    status, lines, _ = _verify(repo_copy)
+    assert status == 1 and "mismatch: models/model.onnx is missing from the workspace (`dvc checkout "
+    "models/model.onnx` restores it)" in lines, lines
+    (repo_copy / "models/model.onnx").write_bytes(onnx_bytes)
 
     lock = yaml.safe_load((repo_copy / "dvc.lock").read_text())["stages"]
     weights = next(o["md5"] for o in lock["train"]["outs"] if o["path"] == "models/model.pt")

@@ -38,15 +38,16 @@ COMMANDS = {
         "(tracking section) that evaluate and export add to.",
     ),
     "evaluate": (
-        "test-split metrics, confusion matrix, model registration",
+        "test-split metrics and confusion matrix",
         "Reads params.yaml's evaluate section, data/prepared/ and models/model.pt. Writes reports/metrics.json, "
-        "reports/predictions.csv and reports/confusion.png, logs them to train's MLflow run and registers "
-        "the model (the 'champion' alias when it scores best).",
+        "reports/predictions.csv and reports/confusion.png, and logs them to train's MLflow run.",
     ),
     "export": (
-        "ONNX export plus the onnxruntime parity gate",
-        "Reads params.yaml's export section, data/prepared/ and models/model.pt. Writes models/model.onnx "
-        "and reports/export.json, and logs the ONNX model to train's MLflow run.",
+        "ONNX export plus the onnxruntime parity gate, model registration",
+        "Reads params.yaml's export section, data/prepared/, models/model.pt and reports/metrics.json. Writes "
+        "models/model.onnx, models/int8/ (the int8 model under export.quantize) and reports/export.json, logs "
+        "the ONNX model and the `predictor` (raw rows in) to train's MLflow run and registers the predictor "
+        "(the 'champion' alias when its test F1 is the best).",
     ),
     "sweep": (
         "train at every sweep.batch_sizes and write the trade-off report",

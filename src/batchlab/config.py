@@ -121,7 +121,7 @@ class ExportConfig(Section):
     atol: Annotated[float, Field(gt=0)] = Field(1e-4, description="max abs logit difference onnxruntime vs torch")
     quantize: Literal["none", "dynamic", "static"] = Field(
         "none",
-        description="also write an int8 models/model.int8.onnx: dynamic, or static calibrated on the train split",
+        description="also write an int8 models/int8/model.int8.onnx: dynamic, or static calibrated on the train split",
     )
     quantize_max_f1_drop: Annotated[float, Field(ge=0, le=1)] = Field(
         0.005, description="int8 gate: the most test-split F1 (macro) it may lose against fp32, or the stage fails"

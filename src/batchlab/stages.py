@@ -214,6 +214,16 @@ def log_trained(
     return Trained(info, model, history, [{k: float(v) if v else math.nan for k, v in r.items()} for r in curve])
 
 
+def _register(cfg: Config, paths: Paths, tracker: tracking.Tracker, predictor_uri: str | None) -> None:
+    """Register the predictor (raw rows in) under tracking.registered_model, scored by evaluate's F1."""
+    scores = paths.reports / "metrics.json"  # a dependency of export: evaluate ran on this model
+    headline = f"f1_{cfg.evaluate.average}"
+    if predictor_uri and not scores.is_file():
+        log.warning("export: no %s (run `batchlab evaluate` first): the predictor is not registered", scores)
+    elif predictor_uri and tracker.register(predictor_uri, json.loads(scores.read_text())[headline], headline):
+        log.info("export: this model is the new %r", tracking.CHAMPION)
+
+
 def _run_info(paths: Paths) -> dict[str, Any]:
     """What train handed on (reports/train.json): the MLflow run to log into, and the model's URI."""
     return json.loads(paths.run_info.read_text()) if paths.run_info.is_file() else {}
@@ -226,8 +236,7 @@ def evaluate(cfg: Config, paths: Paths = Paths()) -> dict[str, float]:
     dataset = data.load(paths.data)
     metrics, y_pred, class_names = scoring.score_test_split(paths.model, dataset)
     y_true = dataset.test.y
-    info = _run_info(paths)
-    run_id, model_uri = info.get("run_id"), info.get("model_uri")
+    run_id = _run_info(paths).get("run_id")
     with tracking.run(cfg.tracking, run_id=run_id, enabled=run_id is not None) as tracker:
         matrix = scoring.confusion(y_true, y_pred, len(class_names))
         scoring.save_confusion_png(matrix, class_names, paths.reports / "confusion.png")
@@ -236,9 +245,6 @@ def evaluate(cfg: Config, paths: Paths = Paths()) -> dict[str, float]:
         tracker.log_metrics({f"test_{k}": v for k, v in metrics.items()})
         for name in ("metrics.json", "confusion.png"):
             tracker.log_artifact(paths.reports / name, "evaluation")
-        headline = f"f1_{cfg.evaluate.average}"
-        if model_uri and tracker.register(model_uri, metrics[headline], headline):
-            log.info("evaluate: this model is the new %r", tracking.CHAMPION)
     log.info("evaluate: accuracy %.4f, f1_macro %.4f", metrics["accuracy"], metrics["f1_macro"])
     return metrics
 
@@ -255,23 +261,11 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
     model, _ = load_model(paths.model)
     run_id = _run_info(paths).get("run_id")
     with tracking.run(cfg.tracking, run_id=run_id, enabled=run_id is not None) as tracker:
-        onnx.export_onnx(model, dataset.n_features, paths.onnx, cfg.export.opset)
-        try:
-            parity = onnx.check_parity(model, paths.onnx, dataset.test.x, cfg.export.atol)
-        except onnx.ParityError:
-            paths.onnx.unlink(missing_ok=True)  # a model that disagrees with torch is not an output
-            raise
+        export_report = onnx.export_checked(model, dataset.test.x, paths.onnx, cfg.export.opset, cfg.export.atol)
         # the scaler, feature and class names travel in the file: `batchlab predict` takes raw rows
         prep = predict.Preprocessing.from_dataset_json(paths.data / "dataset.json")
         predict.attach_preprocessing(paths.onnx, prep)
-        export_report: dict[str, Any] = {
-            "opset": cfg.export.opset,
-            "atol": cfg.export.atol,
-            "file_bytes": paths.onnx.stat().st_size,
-            "parity": [p.__dict__ for p in parity],
-            "max_abs_diff": max(p.max_abs_diff for p in parity),
-            "latency": onnx.latency_us(model, paths.onnx, dataset.test.x),
-        }
+        export_report["file_bytes"] = paths.onnx.stat().st_size
         int8 = quantize.quantize_gated(paths.onnx, cfg.export, dataset)
         if int8 is not None:
             export_report["quantize"] = int8
@@ -292,7 +286,8 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
             tracker.log_artifact(int8["file"], "export")
         tracker.log_onnx_model(paths.onnx)
         raw_rows = dataset.test.x[:5] * np.asarray(prep.std) + np.asarray(prep.mean)  # unscaled: the input example
-        tracker.log_predictor(paths.onnx, raw_rows)
+        predictor_uri = tracker.log_predictor(paths.onnx, raw_rows)
         tracker.record_digests()  # every model of the run, train's included: `batchlab verify` checks them
+        _register(cfg, paths, tracker, predictor_uri)
     log.info("export: %s, max |onnx - torch| = %.2e", paths.onnx, export_report["max_abs_diff"])
     return export_report

@@ -1,8 +1,8 @@
 """`batchlab reproduce RUN_ID`: rebuild a tracked run from its record and compare what comes out.
 
-The run's record holds everything it was made from: the git commit (refused when the tree was dirty),
-every param, and DVC's hash of the prepared data. The rebuild happens in a temporary git worktree at
-that commit, with the run's params and this repo's DVC cache (`dvc pull` first when a remote is set):
+The run's record holds everything it was made from: the git commit (refused when code was uncommitted;
+an edited params.yaml is not: `dvc exp run -S` edits it, and the run records every param), every
+param, and DVC's hash of the prepared data. The rebuild happens in a temporary git worktree at that commit, with the run's params and this repo's DVC cache (`dvc pull` first when a remote is set):
 `dvc repro generate`, then train and evaluate forced (no run-cache: they really run). It compares the
 data hash, the test metrics, the last epoch's training metrics and every weight tensor.
 """

@@ -76,25 +76,32 @@ class _Checker:
         """Whether to check the cache entry of an output: one neither here nor in the cache was never made here."""
         return present or Path(self.cache.oid_to_path(oid)).is_file()
 
-    def not_here(self, name: str) -> None:
-        self.report.notes.append(f"{name} is not in the workspace (`dvc checkout` or `dvc repro` makes it)")
+    def not_here(self, name: str, made_here: bool) -> None:
+        """An output missing from the workspace: deleted when the cache holds it (it was made here), a
+        note when neither has it (a fresh clone before `dvc pull`, a stage never run)."""
+        if made_here:
+            self.report.mismatches.append(f"{name} is missing from the workspace (`dvc checkout {name}` restores it)")
+        else:
+            self.report.notes.append(f"{name} is not in the workspace (`dvc checkout` or `dvc repro` makes it)")
 
     def file(self, path: Path, expected: str, cached: bool) -> None:
         name, present = self.rel(path), path.is_file()
+        in_cache = cached and self.check_cache(present, expected)
         if not present:
-            self.not_here(name)
+            self.not_here(name, in_cache)
         elif (got := self.hash(path)) != expected:
             self.report.mismatches.append(f"{name}: md5 {got}, dvc.lock says {expected}")
-        if cached and self.check_cache(present, expected):
+        if in_cache:
             self.cache_entry(name, expected)
 
     def directory(self, path: Path, expected: str, cached: bool) -> None:
         name, present = self.rel(path), path.is_dir()
         listing: dict[str, str] | None = None
-        if cached and self.check_cache(present, expected) and (manifest := self.cache_entry(name, expected)):
+        in_cache = cached and self.check_cache(present, expected)
+        if in_cache and (manifest := self.cache_entry(name, expected)):
             listing = {e["relpath"]: e["md5"] for e in json.loads(manifest.read_bytes())}
         if not present:
-            self.not_here(name)
+            self.not_here(name, in_cache)
         else:
             ignored = self.repo.dvcignore.is_ignored_file
             files = [p for p in sorted(path.rglob("*")) if p.is_file() and not ignored(str(p))]

@@ -129,3 +129,21 @@ def latency_us(model: nn.Module, onnx_path: str | Path, x: np.ndarray, repeats: 
                     times.append(time.perf_counter() - start)
             out[f"{engine}_{label}_us"] = float(np.median(times) * 1e6)
     return out
+
+
+def export_checked(model: nn.Module, x: np.ndarray, path: Path, opset: int, atol: float) -> dict[str, Any]:
+    """Write the ONNX model, prove it gives torch's answers on `x` (none is left when it does not)
+    and time both; export.json's figures."""
+    export_onnx(model, x.shape[1], path, opset)
+    try:
+        parity = check_parity(model, path, x, atol)
+    except ParityError:
+        path.unlink(missing_ok=True)  # a model that disagrees with torch is not an output
+        raise
+    return {
+        "opset": opset,
+        "atol": atol,
+        "parity": [p.__dict__ for p in parity],
+        "max_abs_diff": max(p.max_abs_diff for p in parity),
+        "latency": latency_us(model, path, x),
+    }

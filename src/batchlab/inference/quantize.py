@@ -29,8 +29,9 @@ class QuantizationError(RuntimeError):
 
 
 def int8_path(onnx_path: Path) -> Path:
-    """models/model.onnx -> models/model.int8.onnx, beside the fp32 model."""
-    return onnx_path.with_suffix(".int8.onnx")
+    """models/model.onnx -> models/int8/model.int8.onnx. The folder is export's DVC output whether or not
+    export.quantize is on (empty when off): DVC versions the int8 model like every other output."""
+    return onnx_path.parent / "int8" / onnx_path.with_suffix(".int8.onnx").name
 
 
 def _session(path: Path) -> Any:
@@ -118,6 +119,8 @@ def quantize_gated(fp32: Path, cfg: ExportConfig, dataset: Dataset) -> dict[str,
     Either way no int8 model of an earlier run is left."""
     out = int8_path(fp32)
     out.unlink(missing_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fp32.with_suffix(".int8.onnx").unlink(missing_ok=True)  # where it was kept before 2026-12: not versioned
     if cfg.quantize == "none":
         return None
     x_test, y_test = dataset.test.x, dataset.test.y

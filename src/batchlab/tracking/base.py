@@ -18,6 +18,7 @@ CHAMPION = "champion"  # the registry alias of the best model so far
 REAPED = "batchlab.reaped"
 RESUMED = "batchlab.resumed_at_epoch"
 RESUMED_FROM = "batchlab.resumed_from_run"  # when that run could not be continued
+FAILED_ATTEMPT = "batchlab.failed_attempt"  # a later command's error in a run it reopened (export's int8 gate)
 NOTE = "mlflow.note.content"  # the run's description in the MLflow UI
 
 
@@ -64,8 +65,9 @@ class Tracker:
     def log_onnx_model(self, path: str | Path) -> None:
         pass
 
-    def log_predictor(self, onnx_path: str | Path, example_rows: np.ndarray) -> None:
-        """The ONNX model as the `predictor` pyfunc: raw rows in, class and probabilities out."""
+    def log_predictor(self, onnx_path: str | Path, example_rows: np.ndarray) -> str | None:
+        """The ONNX model as the `predictor` pyfunc: raw rows in, class and probabilities out; its URI."""
+        return None
 
     def record_digests(self) -> None:
         """A sha256 of every file of every model of the run, for `batchlab verify`."""

@@ -17,6 +17,9 @@ from batchlab.tracking.backend import retry_locked
 from batchlab.tracking.record import download, run_models
 
 DIGEST_TAG = "batchlab.sha256"  # JSON {file path in the model: sha256}
+# files MLflow itself adds to a model's folder after it was logged: `registered_model_meta` when a
+# registered version is loaded or served. Verify checks what batchlab wrote, not these.
+MLFLOW_ADDS = frozenset({"registered_model_meta"})
 
 
 def sha256(path: Path) -> str:
@@ -27,7 +30,8 @@ def sha256(path: Path) -> str:
 def _file_digests(artifact_location: str, tracking_uri: str) -> dict[str, str]:
     with tempfile.TemporaryDirectory(prefix="batchlab-digests-") as tmp:
         local = download(artifact_location, tmp, tracking_uri)
-        return {p.relative_to(local).as_posix(): sha256(p) for p in sorted(local.rglob("*")) if p.is_file()}
+        files = {p.relative_to(local).as_posix(): p for p in sorted(local.rglob("*")) if p.is_file()}
+        return {name: sha256(p) for name, p in files.items() if name not in MLFLOW_ADDS}
 
 
 def record(client: Any, run_id: str, tracking_uri: str) -> None:

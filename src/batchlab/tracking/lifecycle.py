@@ -13,7 +13,7 @@ from typing import Any
 from batchlab.config import TrackingConfig
 from batchlab.tracking import outage, ownership
 from batchlab.tracking.backend import check_reachable, prepare_backend, quick_http_retries, resolve_uri, retry_locked
-from batchlab.tracking.base import REAPED, RESUMED_FROM, Resumable, Tracker
+from batchlab.tracking.base import FAILED_ATTEMPT, REAPED, RESUMED_FROM, Resumable, Tracker
 from batchlab.tracking.mlflow_tracker import MlflowTracker, log_metrics_batched, metrics_from_rows
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,9 @@ def run(
         if continuing and resume is not None:
             run_id = resume.run_id
         owner = ownership.owner_tags()
+        finished = False  # a run another command finished (train's, reopened by evaluate and export)
         if run_id:  # owned before it turns RUNNING, so no other command takes it for an orphan
+            finished = retry_locked(client.get_run, run_id).info.status == "FINISHED"
             retry_locked(client.log_batch, run_id, tags=[mlflow.entities.RunTag(k, v) for k, v in owner.items()])
         active = retry_locked(
             mlflow.start_run,
@@ -152,15 +154,24 @@ def run(
                 log.info("tracking: continuing run %s after epoch %d", tracker.run_id, len(resume.epochs))
             else:
                 tracker.set_tags({RESUMED_FROM: resume.run_id})
-        try:
+        with _ending(tracker, finished):
             yield tracker
-        except (KeyboardInterrupt, Interrupted):
-            tracker.end("KILLED")
-            raise
-        except BaseException as err:
+
+
+@contextlib.contextmanager
+def _ending(tracker: MlflowTracker, finished: bool) -> Iterator[None]:
+    """End the run FINISHED, FAILED on error, KILLED on Ctrl-C/SIGTERM. A run that was FINISHED before
+    this command reopened it stays FINISHED when the command fails (a failed int8 gate fails the
+    export, not the trained run): the failure is its `failed_attempt` tag."""
+    try:
+        yield
+    except BaseException as err:
+        interrupted = isinstance(err, (KeyboardInterrupt, Interrupted))
+        what = "interrupted" if interrupted else f"{type(err).__name__}: {err}"[:5000]
+        if finished or not interrupted:
             with contextlib.suppress(Exception):
-                tracker.set_tags({"error": f"{type(err).__name__}: {err}"[:5000]})
-            tracker.end("FAILED")
-            raise
-        else:
-            tracker.end("FINISHED")
+                tracker.set_tags({FAILED_ATTEMPT if finished else "error": what})
+        tracker.end("FINISHED" if finished else "KILLED" if interrupted else "FAILED")
+        raise
+    else:
+        tracker.end("FINISHED")

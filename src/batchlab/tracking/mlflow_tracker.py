@@ -13,7 +13,7 @@ import numpy as np
 
 from batchlab.config import TrackingConfig
 from batchlab.tracking import outage
-from batchlab.tracking.backend import reachable, retry_locked
+from batchlab.tracking.backend import quiet_mlflow, reachable, retry_locked
 from batchlab.tracking.base import CHAMPION, RESUMED, Tracker
 from batchlab.tracking.flavors import logging_into, torch_flavor
 
@@ -163,7 +163,7 @@ class MlflowTracker(Tracker):
             with logging_into(self.run_id):
                 info = torch_flavor().log_model(
                     model,
-                    name="model",
+                    name="torch_model",  # scaled float32 in, logits out; the registry serves `predictor`
                     signature=infer_signature(example, output),
                     input_example=example[:5],
                     pip_requirements=self._pip_requirements(),
@@ -185,10 +185,13 @@ class MlflowTracker(Tracker):
 
         self._persist("the ONNX model", log_model)
 
-    def log_predictor(self, onnx_path: str | Path, example_rows: np.ndarray) -> None:
+    def log_predictor(self, onnx_path: str | Path, example_rows: np.ndarray) -> str | None:
         from batchlab.tracking import pyfunc
 
-        self._persist("the predictor model", pyfunc.log_predictor, self.run_id, Path(onnx_path), example_rows)
+        uri: str | None = self._persist(
+            "the predictor model", pyfunc.log_predictor, self.run_id, Path(onnx_path), example_rows
+        )
+        return uri
 
     def record_digests(self) -> None:
         from batchlab.tracking import digests
@@ -196,7 +199,7 @@ class MlflowTracker(Tracker):
         self._persist("the model digests", digests.record, self.client, self.run_id, self.uri)
 
     def register(self, model_uri: str, score: float, metric: str) -> bool:
-        """Register the model; move the champion alias only when `score` beats the champion's."""
+        """Register the predictor; move the champion alias only when `score` beats the champion's."""
         if not self.cfg.registered_model:
             return False
         return bool(self._persist(f"the registration of {model_uri}", self._register, model_uri, score, metric))
@@ -204,8 +207,14 @@ class MlflowTracker(Tracker):
     def _register(self, model_uri: str, score: float, metric: str) -> bool:
         import mlflow
 
+        from batchlab.tracking.pyfunc import REGISTRY_DESCRIPTION, version_description
+
         name = self.cfg.registered_model
+        quiet_mlflow()  # logging a model before (the predictor) switches mlflow's news back on
         version = mlflow.register_model(model_uri, name, tags={metric: f"{score:.6f}", "run_id": self.run_id})
+        retry_locked(self.client.update_model_version, name, version.version, version_description(self.run_id))
+        if not retry_locked(self.client.get_registered_model, name).description:
+            retry_locked(self.client.update_registered_model, name, REGISTRY_DESCRIPTION)
         try:
             champion = self.client.get_model_version_by_alias(name, CHAMPION)
             best = float(champion.tags.get(metric, "-inf"))

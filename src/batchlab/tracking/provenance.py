@@ -10,8 +10,9 @@ from pathlib import Path
 
 
 def git_tags() -> dict[str, str]:
-    """The commit, and whether files other than those DVC manages differ from it (`batchlab reproduce`
-    rebuilds only a clean run: its commit is all the code it was made from)."""
+    """The commit, and whether files other than params.yaml and those DVC manages differ from it
+    (`batchlab reproduce` rebuilds only a clean run: its commit is all the code it was made from; its
+    params are recorded, so `dvc exp run -S` and an edited params.yaml leave a run clean)."""
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=10).stdout
@@ -23,7 +24,7 @@ def git_tags() -> dict[str, str]:
         ]
     except (OSError, subprocess.SubprocessError):
         return {}
-    managed = dvc_managed()
+    managed = ["params.yaml", *dvc_managed()]  # every param is recorded on the run: reproduce sets them
     dirty = any(not any(path == m or path.startswith(f"{m}/") for m in managed) for path in changed)
     return {"git.commit": commit, "git.dirty": str(dirty).lower()}
 

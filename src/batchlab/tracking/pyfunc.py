@@ -16,11 +16,24 @@ from batchlab.tracking.record import download, run_models
 
 PREDICTOR = "predictor"  # the logged model's name in the run
 CODE = Path(__file__).with_name("onnx_predictor.py")
+REGISTRY_DESCRIPTION = (
+    "batchlab's trained classifier as a pyfunc (ONNX): raw feature rows in, by column name (the signature "
+    "lists them); the class (`predicted`) and one `proba_<class>` column per class out. Serve it with "
+    "`mlflow models serve -m models:/<name>@champion`; `champion` is the version with the best test F1."
+)
 
 
-def log_predictor(run_id: str, onnx_path: Path, example_rows: np.ndarray) -> None:
+def version_description(run_id: str) -> str:
+    """A registered version's description: what it takes and gives, and where the torch model is."""
+    return (
+        f"Raw feature rows in, class and probabilities out (ONNX, scaler inside). Logged by run {run_id}; "
+        f"its torch model (scaled float32 in, logits out) is runs:/{run_id}/torch_model."
+    )
+
+
+def log_predictor(run_id: str, onnx_path: Path, example_rows: np.ndarray) -> str:
     """Log the ONNX model as the `predictor` pyfunc into run `run_id` (MlflowTracker.log_predictor
-    calls it). `example_rows`: a few raw feature rows, the input example."""
+    calls it); its model URI. `example_rows`: a few raw feature rows, the input example."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # logging loads the model back
     import mlflow
     from mlflow.models import infer_signature
@@ -31,7 +44,7 @@ def log_predictor(run_id: str, onnx_path: Path, example_rows: np.ndarray) -> Non
     example = _frame(example_rows, model.prep.feature_names)
     signature = infer_signature(example, model.frame(example_rows), params={"output": "all"})
     with logging_into(run_id):
-        mlflow.pyfunc.log_model(
+        info = mlflow.pyfunc.log_model(
             name=PREDICTOR,
             python_model=str(CODE),
             artifacts={"onnx": str(onnx_path)},
@@ -39,6 +52,7 @@ def log_predictor(run_id: str, onnx_path: Path, example_rows: np.ndarray) -> Non
             input_example=example,
             pip_requirements=["onnxruntime", "numpy", "pandas", f"mlflow=={mlflow.__version__}"],
         )
+    return str(info.model_uri)
 
 
 def _frame(rows: np.ndarray, columns: list[str]) -> object:
@@ -51,8 +65,9 @@ def _frame(rows: np.ndarray, columns: list[str]) -> object:
 def onnx_file(uri: str, tracking_uri: str | None) -> Iterator[Path]:
     """A local copy of the ONNX model an MLflow URI names, while the context lasts.
 
-    An ONNX or predictor model is used as it is; any other model of a batchlab run (the registry's
-    champion is the torch model train logged) stands for the predictor logged in the same run.
+    An ONNX or predictor model is used as it is (the registry's versions are predictors); any other
+    model of a batchlab run (its torch model, a version registered before 2026-12) stands for the
+    predictor logged in the same run.
     """
     import mlflow
     from mlflow.exceptions import MlflowException

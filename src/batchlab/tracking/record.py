@@ -15,7 +15,8 @@ from batchlab.tracking.backend import retry_locked
 if TYPE_CHECKING:
     import torch
 
-TORCH_MODEL = "model"  # the name train logs its torch model under (MlflowTracker.log_torch_model)
+# the name train logs its torch model under (MlflowTracker.log_torch_model); "model" before 2026-12
+TORCH_MODELS = ("torch_model", "model")
 
 
 def download(artifact_uri: str, dst: str | Path, tracking_uri: str | None = None) -> Path:
@@ -64,12 +65,7 @@ def torch_weights(record: RunRecord, tracking_uri: str) -> dict[str, torch.Tenso
     import torch
 
     client = mlflow.MlflowClient(tracking_uri)
-    found = client.search_logged_models(
-        experiment_ids=[record.experiment_id],
-        filter_string=f"source_run_id = '{record.run_id}' AND name = '{TORCH_MODEL}'",
-        order_by=[{"field_name": "creation_time", "ascending": False}],
-        max_results=1,
-    )
+    found = [m for name in TORCH_MODELS for m in run_models(client, record.run_id, name)][-1:]
     if not found:
         return None
     with tempfile.TemporaryDirectory(prefix="batchlab-reproduce-") as tmp:
