@@ -151,6 +151,26 @@ def test_unreachable_server_is_reported_before_training(repo_copy: Path) -> None
     assert "epoch" not in proc.stderr and not (repo_copy / "models/model.pt").exists()
 
 
+
+@pytest.mark.parametrize(
+    "command",
+    [["verify"], ["reproduce", "0123456789abcdef"], ["predict", "--model", "models:/batchlab-mlp@champion",
+                                                     "--input", "rows.csv"]],  # fmt: skip
+    ids=["verify", "reproduce", "predict"],
+)
+def test_commands_that_read_runs_stop_in_one_line_when_the_server_is_down(repo_copy: Path, command: list[str]) -> None:
+    """Not MLflow's ~4 minutes of retries (verify printed a 123-line traceback after 248 s)."""
+    set_params(repo_copy, "tracking", enabled=True)
+    (repo_copy / "reports/train.json").write_text('{"run_id": "0123456789abcdef"}')
+    (repo_copy / "rows.csv").write_text("x0\n1.0\n")
+    proc = run(["batchlab", *command], repo_copy, check=False, MLFLOW_TRACKING_URI="http://127.0.0.1:9")
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "batchlab: error: MLflow tracking server http://127.0.0.1:9 is unreachable (ConnectionError); start it, "
+        "or set MLFLOW_TRACKING_URI / tracking.tracking_uri, or set tracking.enabled: false"
+    ], proc.stderr
+
+
 WRITER = textwrap.dedent(
     """
     import sys

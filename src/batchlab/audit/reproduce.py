@@ -195,9 +195,11 @@ def verdict(record: RunRecord, commit: str, rows: list[Row]) -> str:
 
 def reproduce(run_id: str, tracking_uri: str, repo: Path = Path(".")) -> tuple[str, bool]:
     """Rebuild run `run_id` and compare: the verdict text, and whether everything is identical."""
+    from batchlab.tracking.backend import preflight
     from batchlab.tracking.record import run_record, torch_weights
 
     repo = Path(_git(repo, "rev-parse", "--show-toplevel").strip())
+    preflight(tracking_uri)
     record = run_record(run_id, tracking_uri)
     commit = check_record(record, repo)
     try:

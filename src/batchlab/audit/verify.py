@@ -171,10 +171,12 @@ def verify_outputs(outputs: Path, tracking_uri: str | None) -> str:
     """`batchlab verify`: the DVC repo here and the MLflow run of `outputs`/reports/train.json; the
     report's lines, or IntegrityError naming how many files differ."""
     from batchlab.tracking import quiet_mlflow
+    from batchlab.tracking.backend import preflight
 
     info = outputs / "reports" / "train.json"
     run_id = json.loads(info.read_text()).get("run_id") if info.is_file() else None
     if tracking_uri and run_id:
+        preflight(tracking_uri)
         quiet_mlflow()
     report = verify(Path("."), run_id, tracking_uri)
     if report.mismatches:

@@ -96,6 +96,13 @@ def quick_http_retries(uri: str) -> None:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
 
 
+def preflight(uri: str) -> None:
+    """Before a command reads runs (reproduce, verify, predict of a models:/ URI): the backend answers
+    within seconds or the command stops with one line, and MLflow's HTTP retries are short."""
+    check_reachable(uri)
+    quick_http_retries(uri)
+
+
 def reachable(uri: str) -> bool:
     try:
         check_reachable(uri, timeout_s=1.0)

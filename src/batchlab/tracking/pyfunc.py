@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from batchlab.data import DataError
+from batchlab.tracking.backend import preflight
 from batchlab.tracking.flavors import logging_into
 from batchlab.tracking.record import download, run_models
 
@@ -73,6 +74,7 @@ def onnx_file(uri: str, tracking_uri: str | None) -> Iterator[Path]:
     from mlflow.exceptions import MlflowException
 
     if tracking_uri:
+        preflight(tracking_uri)
         mlflow.set_tracking_uri(tracking_uri)
     try:
         info = mlflow.models.get_model_info(uri)
