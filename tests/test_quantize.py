@@ -10,9 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from sklearn.linear_model import LogisticRegression
-
 from mlflow import MlflowClient
+from sklearn.linear_model import LogisticRegression
 
 from batchlab import data, stages
 from batchlab.config import ModelConfig

@@ -4,13 +4,16 @@ dirty tree is refused; a record that disagrees with the rebuild gets a table of 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 from mlflow import MlflowClient
 
 from batchlab.tracking.provenance import git_tags
-from tests.conftest import run, set_params
+from tests.conftest import env_with_venv, run, set_params, wait_until
 
 
 def test_only_code_changes_make_a_tree_dirty_not_what_dvc_repro_rewrites(
@@ -102,3 +105,40 @@ def test_a_dvc_exp_run_with_a_set_param_is_clean_and_reproduces(repo_copy: Path)
 
     proc = run(["batchlab", "reproduce", run_id], repo_copy)
     assert proc.stdout.strip().startswith(f"reproduce: run {run_id} at {commit[:12]}: identical ("), proc.stdout
+
+
+def _running_in(tree: Path) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cwd"]):
+        cwd = proc.info["cwd"]
+        if cwd and Path(cwd).is_relative_to(tree):
+            found.append(proc)
+    return found
+
+
+@pytest.mark.slow
+def test_a_sigkilled_reproduce_leaves_a_worktree_and_processes_that_the_next_one_removes(repo_copy: Path) -> None:
+    set_params(repo_copy, "tracking", enabled=True, tracking_uri=_store(repo_copy))
+    run(["git", "commit", "-qam", "track runs"], repo_copy)
+    run(["dvc", "repro", "evaluate"], repo_copy)
+    run_id = json.loads((repo_copy / "reports/train.json").read_text())["run_id"]
+
+    killed = subprocess.Popen(["batchlab", "reproduce", run_id], cwd=repo_copy, env=env_with_venv(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+    def rebuilding() -> Path | None:
+        listed = run(["git", "worktree", "list", "--porcelain"], repo_copy).stdout.splitlines()
+        trees = [Path(line.split(" ", 1)[1]) for line in listed if line.startswith("worktree ")][1:]
+        training = trees and any("train" in p.cmdline() for p in _running_in(trees[0]))
+        return trees[0] if training else None
+
+    tree = wait_until(rebuilding, "`dvc repro ... train` running in reproduce's worktree", process=killed)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=30)
+    assert tree.is_dir() and _running_in(tree)  # what SIGKILL leaves: the worktree, and dvc still running in it
+
+    proc = run(["batchlab", "reproduce", run_id], repo_copy)
+    assert f"reproduce: removed {tree}, left by an interrupted reproduce" in proc.stderr, proc.stderr
+    assert ": identical (" in proc.stdout, proc.stdout
+    assert not tree.exists() and not _running_in(tree)
+    assert len(run(["git", "worktree", "list"], repo_copy).stdout.splitlines()) == 1

@@ -151,11 +151,13 @@ def test_unreachable_server_is_reported_before_training(repo_copy: Path) -> None
     assert "epoch" not in proc.stderr and not (repo_copy / "models/model.pt").exists()
 
 
-
 @pytest.mark.parametrize(
     "command",
-    [["verify"], ["reproduce", "0123456789abcdef"], ["predict", "--model", "models:/batchlab-mlp@champion",
-                                                     "--input", "rows.csv"]],  # fmt: skip
+    [
+        ["verify"],
+        ["reproduce", "0123456789abcdef"],
+        ["predict", "--model", "models:/batchlab-mlp@champion", "--input", "rows.csv"],
+    ],
     ids=["verify", "reproduce", "predict"],
 )
 def test_commands_that_read_runs_stop_in_one_line_when_the_server_is_down(repo_copy: Path, command: list[str]) -> None:

@@ -103,8 +103,8 @@ def test_pipeline_outputs_cache_and_mlflow_models_are_checked(repo_copy: Path) -
     onnx_bytes = (repo_copy / "models/model.onnx").read_bytes()
     (repo_copy / "models/model.onnx").unlink()
     status, lines, _ = _verify(repo_copy)
-    assert status == 1 and "mismatch: models/model.onnx is missing from the workspace (`dvc checkout "
-    "models/model.onnx` restores it)" in lines, lines
+    deleted = "mismatch: models/model.onnx is missing from the workspace (`dvc checkout models/model.onnx` restores it)"
+    assert status == 1 and deleted in lines, lines
     (repo_copy / "models/model.onnx").write_bytes(onnx_bytes)
 
     lock = yaml.safe_load((repo_copy / "dvc.lock").read_text())["stages"]

@@ -2,7 +2,8 @@
 
 The run's record holds everything it was made from: the git commit (refused when code was uncommitted;
 an edited params.yaml is not: `dvc exp run -S` edits it, and the run records every param), every
-param, and DVC's hash of the prepared data. The rebuild happens in a temporary git worktree at that commit, with the run's params and this repo's DVC cache (`dvc pull` first when a remote is set):
+param, and DVC's hash of the prepared data. The rebuild happens in a temporary git worktree at that
+commit, with the run's params and this repo's DVC cache (`dvc pull` first when a remote is set):
 `dvc repro generate`, then train and evaluate forced (no run-cache: they really run). It compares the
 data hash, the test metrics, the last epoch's training metrics and every weight tensor.
 """
@@ -15,11 +16,12 @@ import logging
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,18 +100,58 @@ def check_record(record: RunRecord, repo: Path) -> str:
     return commit
 
 
+PREFIX = "batchlab-reproduce-"  # the temporary folder of each rebuild: tree/ and OWNER
+OWNER = "owner"  # "<pid> <host>" of the reproduce that made the folder
+
+
+def _remove_tree(repo: Path, tree: Path) -> None:
+    subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], capture_output=True)
+    shutil.rmtree(tree.parent, ignore_errors=True)
+    subprocess.run(["git", "-C", str(repo), "worktree", "prune"], capture_output=True)
+
+
+def _owner_gone(folder: Path) -> bool:
+    """Whether the reproduce that made `folder` no longer runs on this host (no owner file: killed
+    before it wrote one, or made by a batchlab without them)."""
+    try:
+        pid, host = (folder / OWNER).read_text().split()
+        os.kill(int(pid), 0)
+    except (OSError, ValueError):  # no file, a damaged one, or no such process
+        return True
+    return host != socket.gethostname()
+
+
+def clean_leftovers(repo: Path) -> list[Path]:
+    """The worktrees an interrupted (SIGKILLed) reproduce left, with the `dvc repro` and training
+    processes still running in them: stopped and removed; return the trees."""
+    import psutil
+
+    listed = _git(repo, "worktree", "list", "--porcelain").splitlines()
+    trees = [Path(line.removeprefix("worktree ")) for line in listed if line.startswith("worktree ")]
+    stale = [t for t in trees if t.name == "tree" and t.parent.name.startswith(PREFIX) and _owner_gone(t.parent)]
+    for tree in stale:
+        for proc in psutil.process_iter(["cwd"]):
+            cwd = proc.info["cwd"]
+            if cwd and Path(cwd).is_relative_to(tree):
+                with suppress(psutil.Error):
+                    proc.kill()
+        _remove_tree(repo, tree)
+        log.warning("reproduce: removed %s, left by an interrupted reproduce, and stopped what ran in it", tree)
+    return stale
+
+
 @contextmanager
 def worktree(repo: Path, commit: str) -> Iterator[Path]:
-    """A detached git worktree at `commit`, removed afterwards."""
-    tmp = Path(tempfile.mkdtemp(prefix="batchlab-reproduce-"))
+    """A detached git worktree at `commit`, removed afterwards (or by the next reproduce, when this
+    one is killed before it can: clean_leftovers)."""
+    tmp = Path(tempfile.mkdtemp(prefix=PREFIX))
+    (tmp / OWNER).write_text(f"{os.getpid()} {socket.gethostname()}")
     tree = tmp / "tree"
     _git(repo, "worktree", "add", "--detach", "--quiet", str(tree), commit)
     try:
         yield tree
     finally:
-        subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], capture_output=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        subprocess.run(["git", "-C", str(repo), "worktree", "prune"], capture_output=True)
+        _remove_tree(repo, tree)
 
 
 def _environment(tree: Path) -> dict[str, str]:
@@ -199,6 +241,7 @@ def reproduce(run_id: str, tracking_uri: str, repo: Path = Path(".")) -> tuple[s
     from batchlab.tracking.record import run_record, torch_weights
 
     repo = Path(_git(repo, "rev-parse", "--show-toplevel").strip())
+    clean_leftovers(repo)
     preflight(tracking_uri)
     record = run_record(run_id, tracking_uri)
     commit = check_record(record, repo)
