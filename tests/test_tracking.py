@@ -220,8 +220,10 @@ def mlflow_server(server: MlflowServer) -> str:
 @pytest.mark.slow
 def test_pipeline_logs_to_an_mlflow_server_on_postgresql(repo_copy: Path, mlflow_server: str) -> None:
     set_params(repo_copy, "tracking", enabled=True)
-    for stage in ("generate", "train", "evaluate"):
-        run(["batchlab", stage], repo_copy, MLFLOW_TRACKING_URI=mlflow_server)
+    for stage in ("generate", "train", "evaluate", "export"):
+        proc = run(["batchlab", stage], repo_copy, MLFLOW_TRACKING_URI=mlflow_server)
+        # one line per stage: not MLflow's "🏃 View run … at:" and "🧪 View experiment at:" after each run
+        assert "View run" not in proc.stdout + proc.stderr and "View experiment" not in proc.stdout, proc.stdout
     run_id = json.loads((repo_copy / "reports/train.json").read_text())["run_id"]
     r = MlflowClient(mlflow_server).get_run(run_id)
     assert r.info.status == "FINISHED"

@@ -90,10 +90,13 @@ def retry_locked(call: Any, *args: Any, **kwargs: Any) -> Any:
 def quick_http_retries(uri: str) -> None:
     """MLflow retries a refused connection 7 times over about 4 minutes, in every call: training would
     hang while a server restarts. The tracker keeps what it could not write and retries it itself, so
-    MLflow's own retries can be short (~3 s). Settings the user exported win."""
+    MLflow's own retries can be short (~3 s). Settings the user exported win. And MLflow's two lines at
+    the end of each run on a server ("🏃 View run … at:", "🧪 View experiment at:") are off: a stage
+    prints one line (`batchlab ui-url` gives the UI's address)."""
     if uri.startswith(("http://", "https://")):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
 def preflight(uri: str) -> None:
