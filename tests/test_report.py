@@ -139,3 +139,34 @@ def test_a_figure_the_seeds_share_is_one_measurement_not_a_mean_plus_minus_zero(
     assert "| 4000 | 0.132 |" in line and line.endswith("| 600 |")  # samples/s, step memory, peak RSS
     assert "0.9505 ± 0.0064" in line  # F1 keeps its interval
     assert "but samples/s, step memory (MiB), peak RSS (MiB): one measurement per batch size" in text
+
+
+def test_seed_bands_are_the_t_interval_over_the_seeds_scored_at_each_step() -> None:
+    from scipy import stats
+
+    results = [_result(b, seed) for b in (16, 64) for seed in (0, 1, 2)]
+    results[1] = {**results[1], "curve_val_loss": [math.nan, *results[1]["curve_val_loss"][1:]]}  # seed 1 unscored once
+    bands = {band.batch_size: band for band in analysis.seed_bands(results)}
+    assert sorted(bands) == [16, 64]
+    band = bands[16]
+    step = results[0]["curve_steps"][5]
+    losses = [r["curve_val_loss"][5] for r in results[:3]]
+    low, high = stats.t.interval(0.95, df=2, loc=sum(losses) / 3, scale=stats.sem(losses))
+    i = band.examples.index(step * 16)
+    assert band.mean[i] == pytest.approx(sum(losses) / 3, rel=1e-12)
+    assert (band.low[i], band.high[i]) == (pytest.approx(low, rel=1e-12), pytest.approx(high, rel=1e-12))
+    # the first step: seed 1 has no score there, so the interval is over seeds 0 and 2
+    first = [results[0]["curve_val_loss"][0], results[2]["curve_val_loss"][0]]
+    low, high = stats.t.interval(0.95, df=1, loc=sum(first) / 2, scale=stats.sem(first))
+    assert (band.low[0], band.high[0]) == (pytest.approx(low, rel=1e-12), pytest.approx(high, rel=1e-12))
+
+
+def test_the_headline_names_the_recommended_batch_and_why_in_two_lines() -> None:
+    results = [_result(b, seed, f1=0.95 if b < 256 else 0.80) for b in (16, 64, 256) for seed in (0, 1, 2)]
+    found = analysis.analyse(results, n_test=600, target_val_loss=0.2, memory_budget_mb=None)
+    first, second = report.headline(found).strip().splitlines()
+    verdict = found.verdict
+    assert first.startswith(f"**Recommended: batch {verdict.recommended}**, the fastest to the target val loss")
+    assert f"(batch {verdict.best})" in first
+    assert second.startswith("Measurably worse in F1: 256; critical batch size ")
+    assert f"{found.fit.b_crit:.0f}" in second

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import torch
@@ -84,7 +85,20 @@ def test_sweep_records_parent_children_and_report(workdir: Path) -> None:
     written = json.loads((folder / "sweep.json").read_text())
     assert {k: v for k, v in written.items()} == {k: v for k, v in summary.items() if k != "markdown"}
     assert {k for k in written if k.startswith(("b_crit", "s_min", "e_min", "fit_r2"))} <= set(parent.data.metrics)
-    assert parent.data.tags["mlflow.note.content"] == text  # the verdict is the parent run's description
+    # the parent's description opens on the verdict (two lines), links the children compared, then the report
+    note = parent.data.tags["mlflow.note.content"]
+    first, second, _, link, _ = note.split("\n", 4)
+    assert first.startswith(f"**Recommended: batch {summary['recommended_batch_size']}**, ") and second.startswith(
+        "Measurably worse in F1: "
+    )
+    ids = sorted(c.info.run_id for c in children)
+    assert f"(#/compare-runs?runs={quote(json.dumps(ids, separators=(',', ':')))}&experiments=" in link, link
+    assert note.endswith(text)
+    rows = {r["name"]: r for r in atomic.read_csv(folder / "steps_vs_examples.csv")}
+    for child in children:  # the study's figures to its target, on each child: the compare page charts them
+        mine = client.get_run(child.info.run_id).data.metrics
+        point = rows[child.info.run_name.removeprefix("sweep-")]
+        assert mine["summary.steps_to_target"] == float(point["steps"]) and "summary.seconds_to_target" in mine
     logged = client.load_table(parent.info.experiment_id, "sweep/summary_table.json", run_ids=[parent.info.run_id])
     assert sorted(logged["batch_size"]) == [16, 32, 64] and "steps_to_target_mean" in logged.columns
 

@@ -206,3 +206,32 @@ def analyse(
         budget_batch = largest_batch_within(memory_budget_mb, points)
     unread = len(readings) - len(at_target)
     return Study(kept, rows, lr_choice, target, rule, fit, b_simple, verdict, n_test, budget_batch, unread, truth)
+
+
+@dataclass(frozen=True)
+class Band:
+    """One batch size's val loss over its seeds at each scored step: the mean and its 95% interval
+    (Student's t over the seeds scored there; NaN where fewer than two were)."""
+
+    batch_size: int
+    examples: list[int]
+    mean: list[float]
+    low: list[float]
+    high: list[float]
+
+
+def seed_bands(results: list[dict[str, Any]]) -> list[Band]:
+    """The val-loss curves as bands over seeds (the val-loss plot draws them), by batch size."""
+    bands = []
+    for batch in sorted({r["batch_size"] for r in results}):
+        by_step: dict[int, list[float]] = {}
+        for r in results:
+            if r["batch_size"] == batch:
+                for step, loss in zip(r["curve_steps"], r["curve_val_loss"], strict=True):
+                    if math.isfinite(loss):
+                        by_step.setdefault(step, []).append(loss)
+        steps = sorted(by_step)
+        cis = [mean_ci(by_step[s]) for s in steps]
+        bands.append(Band(batch, [s * batch for s in steps], [m for m, _ in cis],
+                          [m - h for m, h in cis], [m + h for m, h in cis]))  # fmt: skip
+    return bands

@@ -101,15 +101,20 @@ def steps_vs_examples(study: Study, folder: Path) -> None:
 
 
 def val_curves(study: Study, folder: Path) -> None:
+    """Each batch size's val loss against examples seen: the mean over seeds, with its 95% band
+    (analysis.seed_bands; MLflow's UI draws one line per run and no band)."""
+    from batchlab.study.analysis import seed_bands
+
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    colours = {b: f"C{i % 10}" for i, b in enumerate(sorted(study.lr_choice))}
-    for r in study.results:
-        label = f"batch {r['batch_size']}" if r["seed"] == min(x["seed"] for x in study.results) else None
-        examples = [s * r["batch_size"] for s in r["curve_steps"]]
-        ax.plot(examples, r["curve_val_loss"], color=colours[r["batch_size"]], lw=0.8, alpha=0.7, label=label)
+    seeds = len({r["seed"] for r in study.results})
+    for i, band in enumerate(seed_bands(study.results)):
+        colour = f"C{i % 10}"
+        ax.plot(band.examples, band.mean, color=colour, lw=0.9, label=f"batch {band.batch_size}")
+        ax.fill_between(band.examples, band.low, band.high, color=colour, alpha=0.2, lw=0)
     ax.axhline(study.target, color="black", lw=0.8, ls="--", label="target")
-    ax.set(xscale="log", xlabel="examples seen", ylabel="val loss", title="Validation loss by batch size")
+    title = f"Validation loss: mean and 95% band over {seeds} seeds" if seeds > 1 else "Validation loss (one seed)"
+    ax.set(xscale="log", xlabel="examples seen", ylabel="val loss", title=title)
     ax.legend(fontsize=7)
     fig.tight_layout()
     _save(fig, folder / "val_loss_curves.png")

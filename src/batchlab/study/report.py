@@ -154,6 +154,22 @@ def budget_text(study: Study, budget_mb: float | None) -> str:
     )
 
 
+def headline(study: Study) -> str:
+    """The answer in two lines, which the parent run's description opens on: the batch size, and why."""
+    verdict, fit = study.verdict, study.fit
+    worse = [b for b in sorted(r["batch_size"] for r in study.rows) if b not in verdict.tied]
+    first = (
+        f"**Recommended: batch {verdict.recommended}**, {verdict.why} among the batch sizes whose test F1 "
+        f"is not measurably worse than the best's (batch {verdict.best})."
+    )
+    if isinstance(fit, critical.NoFit):
+        crit = f"no critical batch size ({fit.reason})"
+    else:
+        interval = f", 95% interval {fit.b_crit_low:.0f}–{fit.b_crit_high:.0f}" if math.isfinite(fit.b_crit_low) else ""
+        crit = f"critical batch size {fit.b_crit:.0f}{interval}, R² {fit.r2:.3f}"
+    return f"{first}\nMeasurably worse in F1: {', '.join(map(str, worse)) or 'none'}; {crit}.\n"
+
+
 def markdown(study: Study, context: dict[str, Any]) -> str:
     parts = [
         "# Batch-size study\n",

@@ -69,6 +69,7 @@ class Verdict:
     tied: list[int]  # not measurably worse than `best` (`best` included)
     recommended: int  # the fastest to the target among `tied`
     text: str
+    why: str = ""  # what made `recommended` the pick, as a phrase ("the fastest to the target val loss (…)")
 
 
 def decide(
@@ -116,4 +117,4 @@ def decide(
         else:
             lines.append(f"No batch size is measurably worse than batch {best} ({test}).")
     lines.append(f"Recommended: batch {recommended}, {why} among those.")
-    return Verdict(best, tied, recommended, " ".join(lines))
+    return Verdict(best, tied, recommended, " ".join(lines), why)

@@ -107,11 +107,29 @@ def finish(
         return summary
     parent.log_metrics({k: float(v) for k, v in figures.items()})
     parent.log_table(result.rows, "sweep/summary_table.json")
-    parent.set_tags({tracking.NOTE: markdown})
+    parent.set_tags({tracking.NOTE: description(result, markdown, parent)})
     for file in sorted(folder.iterdir()):
         parent.log_artifact(file, "sweep")
     sweep_state.save(paths, sweep, wall, attempt_started_at=None, reported=sweep_state.digest(ordered))
     return summary
+
+
+TO_TARGET = ("steps_to_target", "examples_to_target", "seconds_to_target")  # logged on each child as summary.*
+
+
+def description(study: analysis.Study, markdown: str, parent: tracking.Tracker) -> str:
+    """The parent run's description in the MLflow UI: the verdict's two lines, a link to the
+    children compared, then the whole report. Each child gets its figures to the study's target
+    (summary.seconds_to_target, …), which only the whole study knows, so the compare page charts them."""
+    figures = {r["run_id"]: {f"summary.{k}": r[k] for k in TO_TARGET} for r in study.results if r.get("run_id")}
+    link = parent.link_children(figures)
+    compare = (
+        f"[Compare the {len(figures)} experiments]({link}): Scatter Plot, X = `train.batch_size`, "
+        "Y = `summary.test_f1_macro` or `summary.seconds_to_target` (docs/sweep.md).\n\n"
+        if link
+        else ""
+    )
+    return f"{report.headline(study)}\n{compare}{markdown}"
 
 
 def run_sweep(cfg: Config, paths: stages.Paths) -> dict[str, Any]:

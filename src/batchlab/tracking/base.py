@@ -75,5 +75,9 @@ class Tracker:
     def register(self, model_uri: str, score: float, metric: str) -> bool:
         return False
 
+    def link_children(self, figures: dict[str, dict[str, float]]) -> str | None:
+        """Log {child run id: {metric: value}} on this parent's children; the UI's compare page of them."""
+        return None
+
     def flush(self) -> None:
         pass

@@ -225,6 +225,13 @@ class MlflowTracker(Tracker):
             return True
         return False
 
+    def link_children(self, figures: dict[str, dict[str, float]]) -> str | None:
+        from batchlab.tracking import children
+
+        link: str | None = self._persist("the children's study figures", children.link_children, self.client,
+                                         self.run_id, figures)  # fmt: skip
+        return link
+
     def replay_unrecorded(self) -> None:
         """Queue the metrics an earlier command could not record in this run (sent with the next flush)."""
         metrics = metrics_from_rows(outage.load_unrecorded(self.run_id)[0])
