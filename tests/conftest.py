@@ -195,16 +195,18 @@ def postgres_available() -> bool:
 class MlflowServer:
     """`mlflow server` on a fixed 127.0.0.1 port over one PostgreSQL database: kill it, start it again."""
 
-    def __init__(self, folder: Path, db: str) -> None:
+    def __init__(self, folder: Path, db: str, driver: str = "") -> None:
         self.folder, self.db = folder, db
+        # "" is MLflow's documented postgresql:// (SQLAlchemy 2.1 picks psycopg 3); "+psycopg2" the older driver
+        self.store = f"postgresql{driver}://postgres@127.0.0.1:5432/{db}"
         self.uri = f"http://127.0.0.1:{free_port()}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         port = self.uri.rsplit(":", 1)[1]
-        store = f"postgresql+psycopg2://postgres@127.0.0.1:5432/{self.db}"
+        artifacts = str(self.folder / "artifacts")
         cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", port, "--workers", "1",
-               "--backend-store-uri", store, "--artifacts-destination", str(self.folder / "artifacts")]  # fmt: skip
+               "--backend-store-uri", self.store, "--artifacts-destination", artifacts]  # fmt: skip
         with open(self.folder / "server.log", "a") as log:
             # its own process group: `mlflow server` runs uvicorn as a child, and kill() takes both
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
@@ -224,8 +226,9 @@ class MlflowServer:
 
 
 @contextlib.contextmanager
-def mlflow_on_postgres(folder: Path) -> Iterator[MlflowServer]:
-    """A started MlflowServer over a fresh PostgreSQL database, dropped afterwards (skips without PostgreSQL)."""
+def mlflow_on_postgres(folder: Path, driver: str = "") -> Iterator[MlflowServer]:
+    """A started MlflowServer over a fresh PostgreSQL database, dropped afterwards (skips without PostgreSQL).
+    `driver`: "" for the plain postgresql:// URI, "+psycopg2" for postgresql+psycopg2://."""
     if not postgres_available():
         pytest.skip("no PostgreSQL answers at 127.0.0.1:5432 (start it to run the tracking-server tests)")
     import uuid
@@ -236,7 +239,7 @@ def mlflow_on_postgres(folder: Path) -> Iterator[MlflowServer]:
     admin = psycopg2.connect(host="127.0.0.1", port=5432, user="postgres", dbname="postgres")
     admin.autocommit = True
     admin.cursor().execute(f"CREATE DATABASE {db}")
-    running = MlflowServer(folder, db)
+    running = MlflowServer(folder, db, driver)
     try:
         running.start()
         yield running
