@@ -29,6 +29,8 @@ NOT_RUN = {
     "PREFECT_API_DATABASE_CONNECTION_URL=": "serves until stopped",
     "PREFECT_API_URL=": "serves until stopped; tests/test_schedule.py",
     ".venv/bin/dvc exp run -S train.strategy=ddp -S train.nnodes=2": "two machines: test_ddp.py two launchers",
+    ".venv/bin/dvc exp run --queue": "runs in the background: tests/test_dvc_queue.py runs a queued grid",
+    'PATH="$PWD/.venv/bin:$PATH" .venv/bin/dvc queue start': "runs in the background: tests/test_dvc_queue.py",
     ".venv/bin/batchlab --params params-node1.yaml": "two machines: tests/test_ddp.py two launchers",
     "python3 -m venv": "GPU set-up (CUDA wheels come from the network)",
     ".venv/bin/pip install --index-url": "GPU set-up (CUDA wheels come from the network)",
