@@ -42,7 +42,8 @@ REFERENCE = "reference.csv"  # the raw test split's predictions, from the ONNX f
 
 def raw_test(cfg: Config) -> pd.DataFrame:
     """The test split before scaling: data.build's split of the same rows."""
-    x, y, features, _ = data.raw_table(cfg.data)
+    raw = data.raw_table(cfg.data)
+    x, y, features = raw.x, raw.y, raw.feature_names
     split = cfg.data
     _, x_test = train_test_split(x, test_size=split.test_fraction, stratify=y, random_state=split.seed)
     frame = pd.DataFrame(x_test, columns=features)

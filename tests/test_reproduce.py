@@ -27,7 +27,7 @@ def test_only_code_changes_make_a_tree_dirty_not_what_dvc_repro_rewrites(
     with (repo_copy / "params.yaml").open("a") as params:  # `dvc exp run -S` edits it; the run records its params
         params.write("\n")
     assert git_tags()["git.dirty"] == "false"
-    with (repo_copy / "src/batchlab/model.py").open("a") as code:
+    with (repo_copy / "src/batchlab/model/__init__.py").open("a") as code:
         code.write("# an edit not committed\n")
     assert git_tags()["git.dirty"] == "true"
 

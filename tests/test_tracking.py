@@ -74,7 +74,7 @@ def test_one_run_holds_params_epochs_evaluation_models_and_lineage(workdir: Path
         "evaluation/confusion.png",
     }
     models = {m.name for m in client.search_logged_models([r.info.experiment_id])}
-    assert models == {"model", "onnx_model", "predictor"}  # predictor: class + probabilities (pyfunc)
+    assert models == {"torch_model", "onnx_model", "predictor"}  # predictor: class + probabilities (pyfunc)
     digest = json.loads((workdir / "data/prepared/dataset.json").read_text())["content_hash"]
     contexts = {i.tags[0].value: i.dataset.digest for i in r.inputs.dataset_inputs}
     assert contexts == {"train": digest, "val": digest, "test": digest}

@@ -25,33 +25,33 @@ LONG_LIVED = {"sweep", "predict"}
 COMMANDS = {
     "validate": (
         "check params.yaml before any stage removes its outputs (dvc.yaml's first stage)",
-        "Reads every section of params.yaml and, for a csv source, data/raw. Writes .batchlab/params.ok.",
+        "Reads params.yaml, data/raw (csv, npz) and usermodels/ (model.factory). Writes .batchlab/params.ok.",
     ),
     "generate": (
         "build the train/val/test split",
-        "Reads params.yaml's data section and, for a csv source, data/raw. Writes data/prepared/.",
+        "Reads params.yaml's data section and, for a csv or npz source, data/raw. Writes data/prepared/.",
     ),
     "train": (
         "train the model (DDP launches itself through torchrun)",
-        "Reads params.yaml's model and train sections and data/prepared/. Writes models/model.pt, "
+        "Reads params.yaml's model and train sections, data/prepared/, usermodels/. Writes models/model.pt, "
         "reports/history.csv, reports/train_summary.json and reports/train.json, and opens an MLflow run "
         "(tracking section) that evaluate and export add to.",
     ),
     "evaluate": (
         "test-split metrics and confusion matrix",
-        "Reads params.yaml's evaluate section, data/prepared/ and models/model.pt. Writes reports/metrics.json, "
-        "reports/predictions.csv and reports/confusion.png, and logs them to train's MLflow run.",
+        "Reads params.yaml's evaluate section, data/prepared/, usermodels/, models/model.pt. Writes "
+        "reports/metrics.json, reports/predictions.csv and reports/confusion.png; logs them to train's MLflow run.",
     ),
     "export": (
         "ONNX export plus the onnxruntime parity gate, model registration",
-        "Reads params.yaml's export section, data/prepared/, models/model.pt and reports/metrics.json. Writes "
-        "models/model.onnx, models/int8/ (the int8 model under export.quantize) and reports/export.json, logs "
+        "Reads params.yaml's export section, data/prepared/, usermodels/, models/model.pt, reports/metrics.json. "
+        "Writes models/model.onnx, models/int8/ (the int8 model under export.quantize), reports/export.json, logs "
         "the ONNX model and the `predictor` (raw rows in) to train's MLflow run and registers the predictor "
         "(the 'champion' alias when its test F1 is the best).",
     ),
     "sweep": (
         "train at every sweep.batch_sizes and write the trade-off report",
-        "Reads params.yaml's model, train and sweep sections and data/prepared/. Writes sweep/ (one folder "
+        "Reads params.yaml's model, train and sweep sections, data/prepared/, usermodels/. Writes sweep/ (one folder "
         "per experiment, kept across runs so an interrupted sweep resumes) and reports/sweep/: "
         "reports/sweep/summary.md (the table, the verdict, the critical batch size), reports/sweep/sweep.json "
         "(the headline figures), CSVs and "
@@ -61,8 +61,8 @@ COMMANDS = {
         "predict raw feature rows with an ONNX model, through onnxruntime only",
         "Reads --model (an ONNX file such as models/model.onnx, which carries the scaler, or an MLflow URI: "
         "models:/batchlab-mlp@champion, runs:/<id>/predictor; the tracking section says where MLflow is) and "
-        "--input (CSV or Parquet with the dataset's feature columns, or .npy). Writes --output (default stdout): "
-        "a CSV of the other input columns, the predicted class and one proba_<class> column per class.",
+        "--input (CSV or Parquet with the dataset's feature columns, .npy, or .npz's x for images and tokens). "
+        "Writes --output (default stdout): a CSV of the other input columns, the class and a proba_<class> each.",
     ),
     "reproduce": (
         "rebuild a tracked run from its record (commit, params, DVC data) and compare metrics and weights",

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 def generate_inputs_key(cfg: Config) -> str:
     """The data section plus the code that turns it into data: what generate's output depends on."""
-    code = b"".join(Path(m.__file__ or "").read_bytes() for m in (data, config_module))
+    files = [f for m in (data, config_module) for f in sorted(Path(m.__file__ or "").parent.glob("*.py"))]
+    code = b"".join(f.read_bytes() for f in files)
     return f"{cfg.section_hash('data')}-{hashlib.sha256(code).hexdigest()[:12]}"
 
 
@@ -84,7 +85,7 @@ def write_trained(cfg: Config, paths: Paths, result: TrainResult, dataset: data.
     from batchlab.training.checkpoint import discard
     from batchlab.training.train import write_curves
 
-    save_model(paths.model, result.model, cfg.model, dataset.n_features, dataset.class_names)
+    save_model(paths.model, result.model, cfg.model, dataset.input_shape, dataset.class_names, dataset.vocab)
     atomic.write_csv(paths.reports / "history.csv", result.history)
     write_curves(result, paths.reports / "val_curve.csv", paths.curve_weights)
     summary = {"best_epoch": result.best_epoch, "epochs_run": len(result.history),

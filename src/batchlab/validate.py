@@ -19,14 +19,23 @@ from batchlab.data import split_sizes
 STAMP = Path(".batchlab") / "params.ok"
 STAMP_TEXT = "params.yaml passed `batchlab validate`\n"  # constant: see the module docstring
 RAW_DATA = Path("data") / "raw"  # generate's data dependency in dvc.yaml
-BUNDLED_ROWS = {"breast_cancer": 569, "digits": 1797, "wine": 178, "iris": 150}
+BUNDLED_ROWS = {"breast_cancer": 569, "digits": 1797, "digits_images": 1797, "wine": 178, "iris": 150}
+DASK_SCHEMES = ("tcp", "tls", "ws", "wss", "ucx")  # distributed's network comms (inproc: one process only)
 
 
 def train_rows(cfg: DataConfig, root: Path = Path(".")) -> int | None:
     """Rows the train split will have, from the params alone (scikit-learn's split arithmetic);
     None when that needs the data (a CSV that cannot be read yet: generate reports why)."""
-    if cfg.source == "synthetic":
+    if cfg.source in ("synthetic", "sequences"):
         rows = cfg.samples
+    elif cfg.source == "npz":
+        try:
+            import numpy as np
+
+            with np.load(root / (cfg.npz_path or ""), allow_pickle=False) as arrays:
+                rows = len(arrays["y"])
+        except (OSError, ValueError, KeyError):
+            return None  # generate names what is wrong with it
     elif cfg.source == "csv":
         try:
             with (root / (cfg.csv_path or "")).open(newline="") as f:
@@ -53,21 +62,94 @@ def batches_fit(cfg: Config, n_train: int) -> None:
 
 
 def csv_inside_raw(cfg: DataConfig) -> None:
-    """DVC sees a CSV only as part of generate's dependency data/raw/: a file elsewhere could be
-    edited without any stage rerunning."""
-    if cfg.source != "csv":
+    """DVC sees a CSV or an .npz only as part of generate's dependency data/raw/: a file elsewhere
+    could be edited without any stage rerunning."""
+    if cfg.source not in ("csv", "npz"):
         return
-    path = Path(cfg.csv_path or "")
+    key = f"data.{cfg.source}_path"
+    path = Path((cfg.csv_path if cfg.source == "csv" else cfg.npz_path) or "")
     if path.is_absolute() or RAW_DATA not in (path.parent, *path.parent.parents):
         raise ConfigError(
-            f"data.csv_path must be a file under {RAW_DATA}/ (generate's DVC dependency), got {str(path)!r}; "
+            f"{key} must be a file under {RAW_DATA}/ (generate's DVC dependency), got {str(path)!r}; "
             f"move it there, e.g. {RAW_DATA / path.name}"
         )
 
 
+USER_MODELS = Path("usermodels")  # code a factory imports from here is a DVC dependency of the stages
+
+
+def factory_source(spec: str, root: Path = Path(".")) -> Path | None:
+    """The file defining model.factory's function, found without importing anything: under the repo
+    root (usermodels/…), else an installed package's (None when only importing can tell); a
+    ConfigError when the module or the name is not there."""
+    import ast
+    import importlib.util
+
+    module, _, name = spec.partition(":")
+    relative = Path(*module.split("."))
+    candidates = [root / relative.with_suffix(".py"), root / relative / "__init__.py"]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None and "." not in module:
+        spec_ = importlib.util.find_spec(module)  # a top-level installed module: found, not run
+        found = Path(spec_.origin) if spec_ is not None and spec_.origin not in (None, "built-in") else None
+        if spec_ is None:
+            raise ConfigError(f"model.factory {spec!r}: no module {module!r} (looked for {candidates[0]} and "
+                              "installed packages)")  # fmt: skip
+    if found is None:
+        return None
+    try:
+        tree = ast.parse(found.read_text(), str(found))
+    except (SyntaxError, UnicodeDecodeError) as err:
+        raise ConfigError(f"model.factory {spec!r}: {found} does not parse: {str(err).splitlines()[0]}") from None
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef)}
+    defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    defined |= {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom | ast.Import) for a in n.names}
+    if name not in defined:
+        raise ConfigError(f"model.factory {spec!r}: {found} defines no {name!r}")
+    return found
+
+
+def factory_builds(cfg: Config, root: Path = Path(".")) -> None:
+    """model.factory imported, called and run on one batch of the data's shape, in a child process
+    (torch stays out of this one): a ConfigError with its one line when it fails."""
+    import json
+    import subprocess
+    import sys
+
+    from batchlab.data import raw_table
+
+    raw = raw_table(cfg.data)
+    shape = list(raw.x.shape[1:])  # one example's, as the prepared split will hold it
+    args = [cfg.model.model_dump_json(), json.dumps(shape), str(len(raw.class_names)), str(root.resolve())]
+    proc = subprocess.run([sys.executable, "-m", "batchlab.model.factory", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = (proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}").splitlines()
+        raise ConfigError(lines[-1].removeprefix("batchlab: error: "))
+
+
+def dask_address(address: str | None) -> None:
+    """sweep.dask_address is [scheme://]host:port, as `dask scheduler` prints it. distributed takes
+    anything else for a host and fails in its connect, in a traceback (without importing it here)."""
+    if address is None:
+        return
+    scheme, _, location = address.rpartition("://")
+    host, _, port = location.rpartition(":")
+    bad_host = not host or any(c.isspace() or c == "/" for c in host)
+    if scheme not in ("", *DASK_SCHEMES) or bad_host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"sweep.dask_address must be a Dask scheduler's address, [tcp://]host:port as `dask scheduler` "
+            f"prints it (e.g. tcp://10.0.0.5:8786), got {address!r}"
+        )
+
+
 def validate(cfg: Config, root: Path = Path(".")) -> None:
-    """Everything that can be checked from the params alone; writes the stamp when it passes."""
+    """Everything that can be checked from the params alone (and model.factory's module: that it
+    builds a model for the data); writes the stamp when it passes."""
     csv_inside_raw(cfg.data)
+    if cfg.model.factory is not None:
+        factory_source(cfg.model.factory, root)
+        factory_builds(cfg, root)
+    dask_address(cfg.sweep.dask_address)
     n_train = train_rows(cfg.data, root)
     if n_train is not None:
         batches_fit(cfg, n_train)

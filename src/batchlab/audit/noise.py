@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from batchlab import atomic, data
+from batchlab.data import DataError
 from batchlab.model import load_model
 from batchlab.paths import Paths
-from batchlab.training.gns_exact import exact_noise_scale
+from batchlab.training.gns_exact import batch_coupled, exact_noise_scale
 from batchlab.training.train import split_tensors
 
 
@@ -24,6 +25,8 @@ def report(paths: Paths, draws: int) -> str:
     if not paths.model.is_file():
         raise FileNotFoundError(f"{paths.model} does not exist: train first (`batchlab train` or `dvc repro train`)")
     model, _ = load_model(paths.model)
+    if (why := batch_coupled(model)) is not None:
+        raise DataError(f"{paths.model}: no noise scale {why}")
     dataset = data.load(paths.data)
     x, y = split_tensors(dataset.train, torch.device("cpu"))
     exact = exact_noise_scale(model.train(), F.cross_entropy, x, y, draws=draws)

@@ -37,13 +37,15 @@ class ParityResult:
 TORCHSCRIPT_MAX_OPSET = 20
 
 
-def export_onnx(model: nn.Module, n_features: int, path: str | Path, opset: int) -> None:
-    """Write the model as ONNX with a dynamic batch axis, checked by onnx.checker."""
+def export_onnx(model: nn.Module, input_shape: int | tuple[int, ...], path: str | Path, opset: int) -> None:
+    """Write the model as ONNX with a dynamic batch axis (examples of `input_shape`: an int is rows of
+    that many features), checked by onnx.checker."""
     import onnx
 
     model = model.eval().cpu()
+    shape = (input_shape,) if isinstance(input_shape, int) else tuple(input_shape)
     # batch 2, not 1: an example batch of 1 specialises the batch axis (pytorch#148886)
-    example = torch.zeros(2, n_features)
+    example = torch.zeros(2, *shape)
     if opset <= TORCHSCRIPT_MAX_OPSET:
         exporter: dict[str, Any] = {"dynamo": False, "dynamic_axes": {"features": {0: "batch"}, "logits": {0: "batch"}}}
     else:
@@ -134,7 +136,7 @@ def latency_us(model: nn.Module, onnx_path: str | Path, x: np.ndarray, repeats: 
 def export_checked(model: nn.Module, x: np.ndarray, path: Path, opset: int, atol: float) -> dict[str, Any]:
     """Write the ONNX model, prove it gives torch's answers on `x` (none is left when it does not)
     and time both; export.json's figures."""
-    export_onnx(model, x.shape[1], path, opset)
+    export_onnx(model, tuple(x.shape[1:]), path, opset)
     try:
         parity = check_parity(model, path, x, atol)
     except ParityError:

@@ -34,10 +34,12 @@ class Preprocessing:
     """What a raw row needs before the network: its columns in order, the train split's scaler, and the
     names of the network's outputs."""
 
-    feature_names: list[str]
+    feature_names: list[str]  # rows; images and tokens have none
     class_names: list[str]
-    mean: list[float]
+    mean: list[float]  # per feature (rows), per channel (images); [0] for tokens
     std: list[float]
+    kind: str = "rows"  # rows | images | tokens
+    input_shape: list[int] | None = None  # one example's (None: rows of len(feature_names), as before)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -48,7 +50,13 @@ class Preprocessing:
         meta = json.loads(path.read_text())
         if "scaler" not in meta:
             raise DataError(f"{path} holds no scaler; run `batchlab generate` (or `dvc repro generate`)")
-        return cls(meta["feature_names"], meta["class_names"], meta["scaler"]["mean"], meta["scaler"]["std"])
+        shape = meta.get("input_shape", [len(meta["feature_names"])])
+        return cls(meta["feature_names"], meta["class_names"], meta["scaler"]["mean"], meta["scaler"]["std"],
+                   meta.get("kind", "rows"), shape)  # fmt: skip
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.input_shape) if self.input_shape is not None else (len(self.feature_names),)
 
 
 def attach_preprocessing(onnx_path: Path, prep: Preprocessing) -> None:
@@ -81,16 +89,25 @@ class OnnxClassifier:
                             "`batchlab export` (or `dvc repro export`)")  # fmt: skip
         self.prep = Preprocessing(**json.loads(raw))
         self.input_name = self.session.get_inputs()[0].name
-        width = self.session.get_inputs()[0].shape[1]
-        if width != len(self.prep.feature_names):
-            raise DataError(f"{path} takes {width} features but its record names "
-                            f"{len(self.prep.feature_names)}; re-export it")  # fmt: skip
-        self.mean = np.asarray(self.prep.mean, dtype=np.float64)
-        self.std = np.asarray(self.prep.std, dtype=np.float64)
+        shape = tuple(self.session.get_inputs()[0].shape[1:])
+        if shape != self.prep.shape or (self.prep.kind == "rows" and shape != (len(self.prep.feature_names),)):
+            rows = self.prep.kind == "rows" and len(shape) == 1
+            took = f"{shape[0]} features" if rows else f"examples of shape {shape}"
+            named = f"names {len(self.prep.feature_names)}" if rows else f"says {self.prep.shape}"
+            raise DataError(f"{path} takes {took} but its record {named}; re-export it")
+        # broadcast over the examples: per feature, or per channel of (N, C, H, W)
+        per = (-1, *([1] * (len(shape) - 1))) if self.prep.kind == "images" else (-1,)
+        self.mean = np.asarray(self.prep.mean, dtype=np.float64).reshape(per)
+        self.std = np.asarray(self.prep.std, dtype=np.float64).reshape(per)
 
     @property
     def n_features(self) -> int:
         return len(self.prep.feature_names)
+
+    @property
+    def tabular(self) -> bool:
+        """Rows with named columns: CSV and Parquet in, other columns passed through."""
+        return self.prep.kind == "rows"
 
     def predict_proba(self, raw: np.ndarray) -> np.ndarray:
         # the same arithmetic as data.build: float64 scaling, then float32
@@ -152,6 +169,9 @@ def read_chunks(path: Path, model: OnnxClassifier, chunk_rows: int = CHUNK_ROWS)
     if not path.is_file():
         raise DataError(f"input file {str(path)!r} does not exist")
     suffix = path.suffix.lower()
+    if not model.tabular and suffix in (".csv", ".parquet", ".pq"):
+        raise DataError(f"{path.name}: this model takes {model.prep.kind} of shape {model.prep.shape}; give them as "
+                        ".npy, or an .npz with an array x (rows, *that shape)")  # fmt: skip
     if suffix == ".csv":
         import pandas as pd
 
@@ -174,22 +194,42 @@ def read_chunks(path: Path, model: OnnxClassifier, chunk_rows: int = CHUNK_ROWS)
             raise DataError(f"{path.name} is not a Parquet file: {str(err).splitlines()[0]}") from None
         batches = (batch.to_pandas() for batch in parquet.iter_batches(batch_size=chunk_rows))
         yield from _table_chunks(batches, path.name, model)
-    elif suffix == ".npy":
-        try:
-            array = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as err:
-            raise DataError(f"{path.name} is not a readable .npy array ({type(err).__name__})") from None
-        if array.ndim != 2 or array.shape[1] != model.n_features:
-            raise DataError(f"{path.name}: shape {array.shape}, but the model takes (rows, {model.n_features}) "
-                            f"features, in this order: {model.prep.feature_names}")  # fmt: skip
-        if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.number):
-            raise DataError(f"{path.name}: {array.dtype} values; features must be numeric")
-        for start in range(0, array.shape[0], chunk_rows):
-            x = np.asarray(array[start : start + chunk_rows], dtype=np.float64)
-            _check_finite(x, model.prep.feature_names, path.name, start + 1)
-            yield x, None
+    elif suffix in (".npy", ".npz"):
+        yield from _array_chunks(path, model, chunk_rows)
     else:
-        raise DataError(f"{path.name}: input must be .csv, .parquet or .npy")
+        kinds = ".csv, .parquet or .npy" if model.tabular else ".npy or .npz (an array x)"
+        raise DataError(f"{path.name}: input must be {kinds}")
+
+
+def _array_chunks(path: Path, model: OnnxClassifier, chunk_rows: int) -> Iterator[tuple[np.ndarray, Any]]:
+    """Raw examples from an .npy array, or the array `x` of an .npz: (N, *the model's example shape)."""
+    try:
+        if path.suffix.lower() == ".npz":
+            with np.load(path, allow_pickle=False) as arrays:
+                if "x" not in arrays.files:
+                    raise DataError(f"{path.name} has no array 'x' (it has {arrays.files})")
+                array = arrays["x"]
+        else:
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as err:
+        if isinstance(err, DataError):
+            raise
+        raise DataError(f"{path.name} is not a readable {path.suffix} array ({type(err).__name__})") from None
+    shape = model.prep.shape
+    if array.ndim != 1 + len(shape) or tuple(array.shape[1:]) != shape:
+        order = f" features, in this order: {model.prep.feature_names}" if model.tabular else ""
+        raise DataError(f"{path.name}: shape {array.shape}, but the model takes (rows, {', '.join(map(str, shape))})"
+                        f"{order}")  # fmt: skip
+    if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.number):
+        raise DataError(f"{path.name}: {array.dtype} values; features must be numeric")
+    for start in range(0, array.shape[0], chunk_rows):
+        x = np.asarray(array[start : start + chunk_rows], dtype=np.float64)
+        if model.tabular:
+            _check_finite(x, model.prep.feature_names, path.name, start + 1)
+        elif not (finite := np.isfinite(x.reshape(len(x), -1)).all(axis=1)).all():
+            bad = start + int(np.argmin(finite)) + 1
+            raise DataError(f"{path.name}: NaN or infinite values in example {bad}; fix or drop it first")
+        yield x, None
 
 
 def _write(model: OnnxClassifier, chunks: Iterator[tuple[np.ndarray, Any]], out: IO[str]) -> int:
@@ -203,7 +243,7 @@ def _write(model: OnnxClassifier, chunks: Iterator[tuple[np.ndarray, Any]], out:
         frame.to_csv(out, index=False, header=header)  # a header-only input gets the header alone
         rows, header = rows + len(frame), False
     if header:  # no chunk at all (an empty .npy): the output's header
-        pd.DataFrame(columns=model.frame(np.zeros((0, model.n_features))).columns).to_csv(out, index=False)
+        pd.DataFrame(columns=model.frame(np.zeros((0, *model.prep.shape))).columns).to_csv(out, index=False)
     return rows
 
 

@@ -62,7 +62,7 @@ def same_but_seed(cfgs: list[Config]) -> None:
     neutral = {c.model_copy(update={"train": c.train.model_copy(update={"seed": 0})}).model_dump_json() for c in cfgs}
     if len(neutral) > 1:
         raise ValueError("fit_seeds trains configs that differ in train.seed only")
-    reason = seeds_train_apart(cfgs[0].train)
+    reason = seeds_train_apart(cfgs[0])
     if reason:
         raise ValueError(f"seeds cannot train together: {reason}")
 
@@ -259,4 +259,4 @@ def epochs_to_resume(cfgs: list[Config], dataset: Dataset, checkpoints: list[Pat
 
 def trains_together(cfg: Config) -> bool:
     """Whether this sweep trains the seeds of a batch size together."""
-    return cfg.sweep.vectorize_seeds and len(cfg.sweep.seeds) > 1 and seeds_train_apart(cfg.train) is None
+    return cfg.sweep.vectorize_seeds and len(cfg.sweep.seeds) > 1 and seeds_train_apart(cfg) is None

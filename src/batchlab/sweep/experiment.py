@@ -223,7 +223,7 @@ def measure(cfg: Config, exp_cfg: Config, dataset: data.Dataset, history: list[d
         speed = probes.solo_speed(exp_cfg, dataset)
     else:
         speed = {k: statistics.median(h[k] for h in history) for k in ("samples_per_s", "epoch_seconds")}
-    return {**speed, **probes.step_memory(exp_cfg, dataset.n_features, dataset.n_classes)}
+    return {**speed, **probes.step_memory(exp_cfg, dataset.input_shape, dataset.n_classes, dataset.vocab)}
 
 
 def score(

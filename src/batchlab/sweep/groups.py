@@ -33,7 +33,7 @@ T = TypeVar("T")
 def groups(cfg: Config, todo: list[Experiment]) -> list[list[Experiment]]:
     """The experiments to run, grouped by (batch size, lr multiplier) when their seeds can train
     together, else one per group; says once why they cannot."""
-    reason = seeds_train_apart(cfg.train)
+    reason = seeds_train_apart(cfg)
     if not trains_together(cfg):
         if reason is not None and cfg.sweep.vectorize_seeds and len(cfg.sweep.seeds) > 1:
             log.info("sweep: seeds train one after another: %s", reason)

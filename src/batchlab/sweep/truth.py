@@ -21,7 +21,7 @@ from batchlab import atomic, data, stages
 from batchlab.config import Config
 from batchlab.model import build_model, save_torch
 from batchlab.study import critical
-from batchlab.training.gns_exact import exact_noise_scale
+from batchlab.training.gns_exact import batch_coupled, exact_noise_scale
 from batchlab.training.train import split_tensors
 
 EXACT = "exact_noise.json"
@@ -61,7 +61,9 @@ def exact_at(cfg: Config, folder: stages.Paths, dataset: data.Dataset, step: int
         return known[str(step)]
     if saved is None or step not in saved["steps"]:
         return None
-    model = build_model(cfg.model, dataset.n_features, dataset.n_classes).train()
+    model = build_model(cfg.model, dataset.input_shape, dataset.n_classes, dataset.vocab).train()
+    if batch_coupled(model) is not None:  # no per-row gradient: no exact value to compare with
+        return None
     vector_to_parameters(saved["weights"][saved["steps"].index(step)], model.parameters())
     exact = exact_noise_scale(model, F.cross_entropy, *split_tensors(dataset.train, torch.device("cpu")))
     known[str(step)] = {"b_simple": exact.b_simple, "grad_sq": exact.grad_sq, "trace": exact.trace,

@@ -54,6 +54,15 @@ class ExactNoise:
         return self.grad_sq + rows_part + self.trace_mask / batch
 
 
+def batch_coupled(model: nn.Module) -> str | None:
+    """Why a row's gradient depends on the other rows of its batch (batch statistics: BatchNorm), so
+    that no noise scale of per-row gradients exists to measure; None when it does not."""
+    norms = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)})
+    if norms:
+        return f"for a model with {', '.join(norms)} (a row's gradient depends on its batch's statistics)"
+    return None
+
+
 def is_stochastic(model: nn.Module) -> bool:
     """Whether a training-mode forward draws random masks (a dropout layer with p > 0)."""
     return model.training and any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())

@@ -28,17 +28,28 @@ _PROBING = "batchlab.training.memory.probing_step"
 PROBING_STEP = 3  # warm-up (1), the step the probe skips (2), the step it measures (3)
 
 
+Shape = int | tuple[int, ...]  # one example's: an int is rows of that many features
+
+
 def step_memory_mib(
-    cfg: Config, n_features: int, n_classes: int, batch_size: int, device: torch.device, probing: bool = False
+    cfg: Config, input_shape: Shape, n_classes: int, batch_size: int, device: torch.device, probing: bool = False
 ) -> float:
     """Peak tensor memory of one training step of `batch_size` rows, in MiB (see `step_memories`);
     `probing`: of a step on which the noise probe measures."""
-    plain, with_probe = step_memories(cfg, n_features, n_classes, batch_size, device)
+    plain, with_probe = step_memories(cfg, input_shape, n_classes, batch_size, device)
     return with_probe if probing else plain
 
 
+def examples(input_shape: Shape, rows: int, gen: torch.Generator, vocab: int = 0) -> torch.Tensor:
+    """Seeded random examples of the right shape: token ids below `vocab` (as float32), else normal values."""
+    shape = (input_shape,) if isinstance(input_shape, int) else tuple(input_shape)
+    if vocab:
+        return torch.randint(vocab, (rows, *shape), generator=gen).float()
+    return torch.randn(rows, *shape, generator=gen)
+
+
 def step_memories(
-    cfg: Config, n_features: int, n_classes: int, batch_size: int, device: torch.device
+    cfg: Config, input_shape: Shape, n_classes: int, batch_size: int, device: torch.device, vocab: int = 0
 ) -> tuple[float, float]:
     """Peak tensor memory, in MiB, of a training step of `batch_size` rows (parameters, gradients,
     optimizer state, the step's copy of its rows and the activations; not the dataset, not the
@@ -53,24 +64,26 @@ def step_memories(
     """
     gen = torch.Generator().manual_seed(cfg.train.seed)
     # the train split, resident before training starts (as in fit): not the step's memory
-    x = torch.randn(batch_size, n_features, generator=gen).to(device)
+    x = examples(input_shape, batch_size, gen, vocab).to(device)
     y = torch.randint(n_classes, (batch_size,), generator=gen).to(device)
     # the rows the noise probe passes over, a chunk at a time: its peak is one chunk's, however many
-    split = (torch.randn(FULL_SPLIT_CHUNK, n_features, generator=gen).to(device),
+    split = (examples(input_shape, FULL_SPLIT_CHUNK, gen, vocab).to(device),
              torch.randint(n_classes, (FULL_SPLIT_CHUNK,), generator=gen).to(device))  # fmt: skip
-    peaks = (_cuda_peaks if device.type == "cuda" else _cpu_peaks)(cfg, x, y, n_classes, split)
+    peaks = (_cuda_peaks if device.type == "cuda" else _cpu_peaks)(cfg, x, y, n_classes, split, vocab)
     return peaks[0] / MIB, peaks[1] / MIB
 
 
 Rows = tuple[torch.Tensor, torch.Tensor]
 
 
-def _trainer(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, split: Rows) -> Callable[[], None]:
+def _trainer(
+    cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, split: Rows, vocab: int = 0
+) -> Callable[[], None]:
     """The model and optimizer on x's device, and a function that runs one training step over x's
     rows; the noise probe measures on every PROBING_STEP-th call."""
     device = x.device
     strategy = Strategy(device, cfg.train.precision, grad_accum_steps=cfg.train.grad_accum_steps)
-    model = initial_model(cfg, x.shape[1], n_classes).to(device)
+    model = initial_model(cfg, tuple(x.shape[1:]), n_classes, vocab).to(device)
     optimizer = make_optimizer(cfg.train, model.parameters())
     noise = NoiseScale(enabled=True, population=10 * x.shape[0])  # N: only the estimate uses it
     net = strategy.setup(model, noise, F.cross_entropy, probe_every=PROBING_STEP, train_rows=split)
@@ -88,7 +101,9 @@ def _trainer(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, spli
     return step
 
 
-def _cpu_peaks(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, split: Rows) -> tuple[int, int]:
+def _cpu_peaks(
+    cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, split: Rows, vocab: int = 0
+) -> tuple[int, int]:
     """Peaks of the live bytes allocated since profiling began, during the two measured steps.
 
     Each "[memory]" event carries the signed bytes of one allocation or free; their running sum is
@@ -98,7 +113,7 @@ def _cpu_peaks(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, sp
     """
     gc.collect()  # a leftover from an earlier session freed mid-profile would subtract bytes never added
     with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step = _trainer(cfg, x, y, n_classes, split)
+        step = _trainer(cfg, x, y, n_classes, split, vocab)
         step()
         with record_function(_MEASURED):
             step()
@@ -134,10 +149,12 @@ def _native_stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
-def _cuda_peaks(cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, split: Rows) -> tuple[int, int]:
+def _cuda_peaks(
+    cfg: Config, x: torch.Tensor, y: torch.Tensor, n_classes: int, split: Rows, vocab: int = 0
+) -> tuple[int, int]:
     device = x.device
     before = torch.cuda.memory_allocated(device)  # other tensors of this process: not the step's
-    step = _trainer(cfg, x, y, n_classes, split)
+    step = _trainer(cfg, x, y, n_classes, split, vocab)
     step()
     peaks = []
     for _ in range(2):  # the step the probe skips, then the one it measures

@@ -37,16 +37,34 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
+from batchlab.config import ConfigError
 from batchlab.model import save_torch
 from batchlab.training.checkpoint import SHARDED_META, Trainee, TrainState, latest_epoch
 
 log = logging.getLogger(__name__)
 
 
-def shard(model: nn.Module, device: torch.device, precision: str, world_size: int) -> nn.Module:
-    """Shard `model` in place over `world_size` ranks: each hidden Linear, then the root (which
-    keeps the output layer). The mesh is always built on `device`: given a gloo group on a
-    machine with GPUs, fully_shard has moved models to CUDA and crashed (pytorch#132471)."""
+def units(model: nn.Module, classes: tuple[str, ...] = ()) -> list[nn.Module]:
+    """The modules sharded one by one, innermost first: every module of the `classes` named
+    (train.fsdp_units), or by default each child of the root that holds parameters but the last
+    (the MLP: each hidden Linear; the root keeps the output layer)."""
+    if classes:
+        found = [m for m in model.modules() if type(m).__name__ in classes and m is not model]
+        if not found:
+            have = sorted({type(m).__name__ for m in model.modules()})
+            raise ConfigError(
+                f"train.fsdp_units {list(classes)}: the model has no module of those classes; it has {have}"
+            )
+        return found[::-1]  # modules() lists a parent before its children
+    return [m for m in model.children() if any(True for _ in m.parameters())][:-1]
+
+
+def shard(
+    model: nn.Module, device: torch.device, precision: str, world_size: int, classes: tuple[str, ...] = ()
+) -> nn.Module:
+    """Shard `model` in place over `world_size` ranks: each of its `units`, then the root. The mesh
+    is always built on `device`: given a gloo group on a machine with GPUs, fully_shard has moved
+    models to CUDA and crashed (pytorch#132471)."""
     mesh = init_device_mesh(device.type, (world_size,))
     # bf16: parameters all-gathered and computed in bf16, gradients reduced and kept in fp32
     policy = (
@@ -54,8 +72,7 @@ def shard(model: nn.Module, device: torch.device, precision: str, world_size: in
         if precision == "bf16"
         else MixedPrecisionPolicy()
     )
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    for block in linears[:-1]:  # one all-gather per block: only one block's full weights live at a time
+    for block in units(model, classes):  # one all-gather per block: only one block's full weights live at a time
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model

@@ -30,6 +30,7 @@ from batchlab.config import TrainConfig
 from batchlab.training import peaks
 from batchlab.training.checkpoint import Checkpoint, sharded_folder
 from batchlab.training.gns import NoiseScale
+from batchlab.training.gns_exact import batch_coupled
 from batchlab.training.gns_probes import FullSplitProbe, LossFn
 from batchlab.training.support import resolve_device
 
@@ -55,6 +56,7 @@ class Strategy:
     timeout_s: float = 300.0
     grad_accum_steps: int = 1
     sharded: bool = False  # FSDP: fully_shard over the ranks, DCP checkpoints (also on one process)
+    fsdp_units: tuple[str, ...] = ()  # train.fsdp_units: the module classes sharded one by one
     scaler: torch.amp.GradScaler = field(init=False)
     _skeleton: nn.Module | None = field(init=False, default=None)  # the unsharded model's shape
     _params: list[nn.Parameter] = field(init=False, default_factory=list)
@@ -91,7 +93,7 @@ class Strategy:
                 backend = "nccl" if device.type == "cuda" else "gloo"
                 loopback.init_process_group(backend, rank, world_size, dt.timedelta(seconds=cfg.dist_timeout_s))
         return cls(device, cfg.precision, rank, local_rank, world_size, float(cfg.dist_timeout_s),
-                   cfg.grad_accum_steps, sharded=cfg.strategy == "fsdp")  # fmt: skip
+                   cfg.grad_accum_steps, sharded=cfg.strategy == "fsdp", fsdp_units=tuple(cfg.fsdp_units))  # fmt: skip
 
     @property
     def is_main(self) -> bool:
@@ -123,7 +125,7 @@ class Strategy:
         from batchlab.training import sharded
 
         self._skeleton = sharded.skeleton(model)
-        return sharded.shard(model, self.device, self.precision, self.world_size)
+        return sharded.shard(model, self.device, self.precision, self.world_size, self.fsdp_units)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain model to save and export. Under FSDP its full weights, gathered on rank 0 (every
@@ -164,11 +166,12 @@ class Strategy:
         self._flat_grads = None
         self._noise = noise if noise is not None and noise.enabled else None
         self._probe, self._step_rows = None, 0
+        why_not = "under fsdp (its probe would gather every shard)" if self.fsdp else batch_coupled(model)
+        if why_not is not None and self._noise is not None:
+            if self.is_main:
+                log.info("gns: not measured %s; gns.* not logged", why_not)
+            self._noise.enabled, self._noise = False, None
         if self.fsdp:
-            if self._noise is not None and self.is_main:
-                log.info("gns: not measured under fsdp (its probe would gather every shard); gns.* not logged")
-            if self._noise is not None:
-                self._noise.enabled, self._noise = False, None
             return model
         if self.is_distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from batchlab.config import ConfigError, TrainConfig
+from batchlab.config import Config, ConfigError, TrainConfig
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
@@ -36,9 +36,14 @@ def describe(cfg: TrainConfig) -> dict[str, str]:
             "world_size": str(cfg.world_size())}  # fmt: skip
 
 
-def seeds_train_apart(cfg: TrainConfig) -> str | None:
+def seeds_train_apart(config: Config) -> str | None:
     """Why the seeds of one sweep group cannot train together in one vectorized model
-    (seeds/vectorized.py), or None when they can: one process, fp32, no accumulation, on the CPU."""
+    (seeds/vectorized.py), or None when they can: the built-in MLP, one process, fp32, no
+    accumulation, on the CPU."""
+    if not config.model.is_mlp():
+        model = f"model.factory {config.model.factory}" if config.model.factory else f"model.name {config.model.name}"
+        return f"{model}: the stacked seed kernels are the MLP's"
+    cfg = config.train
     if cfg.strategy != "single":  # fsdp on one process still keeps sharded (DCP) checkpoints
         return f"train.strategy {cfg.strategy} with {cfg.world_size()} ranks trains one model per process group"
     if cfg.precision != "fp32":

@@ -78,6 +78,30 @@ def step_flops(model: ModelConfig, n_features: int, n_classes: int, rows: int) -
     return 6.0 * rows * sum(a * b for a, b in itertools.pairwise(widths))
 
 
+_FORWARD_FLOPS: dict[str, float] = {}
+
+
+def model_step_flops(cfg: ModelConfig, shape: Shape, rows: int) -> float:
+    """A training step's floating-point operations on `rows` examples: the MLP's from its widths;
+    any other model's counted by torch.utils.flop_counter on one example's forward (x3 for the
+    backward), once per model and shape."""
+    if cfg.is_mlp():
+        return step_flops(cfg, shape.n_features, shape.n_classes, rows)
+    key = f"{cfg.model_dump_json()}-{shape.input_shape}-{shape.n_classes}-{shape.vocab}"
+    if key not in _FORWARD_FLOPS:
+        import torch
+        from torch.utils.flop_counter import FlopCounterMode
+
+        from batchlab.model import build_model
+
+        model = build_model(cfg, shape.input_shape, shape.n_classes, shape.vocab).eval()
+        example = torch.zeros(1, *shape.input_shape)
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(example)
+        _FORWARD_FLOPS[key] = float(counter.get_total_flops())
+    return 3.0 * rows * _FORWARD_FLOPS[key]
+
+
 def auto_threads(flops: float) -> int:
     """Threads for training steps of `flops` each: one per FLOPS_PER_THREAD, within this process's
     cores, and only on CPUs no other process is using (measured for 0.1 s when more than one thread
@@ -99,7 +123,7 @@ def training_threads(cfg: Config, shape: Shape, batch: int | None = None) -> int
     if tc.threads:
         return tc.threads
     rows = max(1, (batch or tc.batch_size) // (tc.world_size() * tc.grad_accum_steps))
-    return auto_threads(step_flops(cfg.model, shape.n_features, shape.n_classes, rows))
+    return auto_threads(model_step_flops(cfg.model, shape, rows))
 
 
 def sweep_threads(cfg: Config, shape: Shape) -> int:
@@ -113,7 +137,7 @@ def inference_threads(cfg: Config, shape: Shape) -> int:
     split (a third of a training step's), the largest that evaluate and export run."""
     if cfg.train.threads:
         return cfg.train.threads
-    return auto_threads(step_flops(cfg.model, shape.n_features, shape.n_classes, shape.rows["test"]) / 3)
+    return auto_threads(model_step_flops(cfg.model, shape, shape.rows["test"]) / 3)
 
 
 def use_threads(threads: int) -> None:

@@ -144,10 +144,10 @@ def _progress(total: int, start: int, enabled: bool) -> Any:
     return None
 
 
-def initial_model(cfg: Config, n_features: int, n_classes: int) -> nn.Module:
+def initial_model(cfg: Config, input_shape: int | tuple[int, ...], n_classes: int, vocab: int = 0) -> nn.Module:
     """The untrained model: the same weights for the same train.seed, whatever else differs."""
     torch.manual_seed(cfg.train.seed)
-    return build_model(cfg.model, n_features, n_classes)
+    return build_model(cfg.model, input_shape, n_classes, vocab)
 
 
 def _resume_or_start(
@@ -280,7 +280,8 @@ def _result(
 
 def new_trainee(cfg: Config, dataset: Dataset, strategy: Strategy, steps: int) -> Trainee:
     """The initial model on the device (sharded under FSDP), its optimizer and schedule, and the strategy's scaler."""
-    model = strategy.prepare(initial_model(cfg, dataset.n_features, dataset.n_classes).to(strategy.device))
+    model = initial_model(cfg, dataset.input_shape, dataset.n_classes, dataset.vocab)
+    model = strategy.prepare(model.to(strategy.device))
     optimizer = make_optimizer(cfg.train, model.parameters())
     schedule = make_schedule(cfg.train, optimizer, steps)
     return Trainee(model, optimizer, schedule, strategy.scaler, copy.deepcopy(model.state_dict()))

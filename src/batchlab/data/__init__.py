@@ -1,4 +1,7 @@
-"""Generate, load, split and save datasets. Every array is float32 features and int64 labels."""
+"""Generate, load, split and save datasets. Every array is float32 examples and int64 labels.
+
+sources   where examples come from (rows, images, token sequences), before the split
+"""
 
 from __future__ import annotations
 
@@ -13,13 +16,12 @@ import numpy as np
 
 from batchlab import atomic
 from batchlab.config import DataConfig
+from batchlab.data.sources import DataError, Kind, raw_table
+
+__all__ = ["SPLITS", "DataError", "Dataset", "Kind", "Shape", "Split", "build", "load", "raw_table", "save", "shape"]
 
 SPLITS = ("train", "val", "test")
 REGENERATE = "run `batchlab generate` (or `dvc repro generate`, `dvc checkout data/prepared`)"
-
-
-class DataError(ValueError):
-    """Input data that cannot be trained on; the message says what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,18 @@ class Dataset:
     test: Split
     feature_names: list[str]
     class_names: list[str]
+    kind: Kind = "rows"
+    vocab: int = 0  # tokens: ids 0 .. vocab-1
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """One example's shape: (F,) rows, (C, H, W) images, (T,) tokens."""
+        return tuple(int(n) for n in self.train.x.shape[1:])
 
     @property
     def n_features(self) -> int:
-        return int(self.train.x.shape[1])
+        """Numbers per example (F for rows)."""
+        return math.prod(self.input_shape)
 
     @property
     def n_classes(self) -> int:
@@ -57,6 +67,9 @@ class Dataset:
             "content_hash": self.content_hash(),
             "n_features": self.n_features,
             "n_classes": self.n_classes,
+            "kind": self.kind,
+            "input_shape": list(self.input_shape),
+            "vocab": self.vocab,
             "feature_names": self.feature_names,
             "class_names": self.class_names,
             "splits": {
@@ -69,71 +82,13 @@ class Dataset:
         }
 
 
-def raw_table(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
-    """Rows, labels (any hashable), feature names and class names before the split."""
-    # imported here: scikit-learn costs ~1 s at start-up and only generate needs it
-    from sklearn import datasets as skdatasets
-
-    if cfg.source == "synthetic":
-        x, y = skdatasets.make_classification(
-            n_samples=cfg.samples,
-            n_features=cfg.features,
-            n_informative=cfg.informative,
-            n_redundant=min(2, cfg.features - cfg.informative),
-            n_classes=cfg.classes,
-            class_sep=cfg.class_sep,
-            flip_y=cfg.label_noise,
-            random_state=cfg.seed,
-        )
-        return x, y, [f"x{i}" for i in range(cfg.features)], [str(c) for c in range(cfg.classes)]
-    if cfg.source == "csv":
-        return _read_csv(Path(cfg.csv_path or ""), cfg.target)
-    bunch = getattr(skdatasets, f"load_{cfg.source}")()
-    return bunch.data, bunch.target, [str(n) for n in bunch.feature_names], [str(n) for n in bunch.target_names]
-
-
-def _read_csv(path: Path, target: str) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
-    import pandas as pd
-
-    if not path.is_file():
-        raise DataError(f"data.csv_path {str(path)!r} does not exist")
-    try:
-        frame = pd.read_csv(path)
-    except pd.errors.EmptyDataError:
-        raise DataError(f"{path.name} is empty; it needs a header row and one row per example") from None
-    except UnicodeDecodeError:
-        raise DataError(f"{path.name} is not UTF-8 text; save it as UTF-8 (e.g. iconv -t utf-8)") from None
-    except pd.errors.ParserError as err:
-        raise DataError(f"{path.name} is not a valid CSV: {str(err).strip().splitlines()[0]}") from None
-    if frame.empty:
-        raise DataError(f"{path.name} has a header but no rows")
-    if target not in frame.columns:
-        raise DataError(f"data.target column {target!r} is not in {path.name}; columns are {list(frame.columns)}")
-    features = frame.drop(columns=[target])
-    non_numeric = [c for c in features.columns if not pd.api.types.is_numeric_dtype(features[c])]
-    if non_numeric:
-        raise DataError(f"{path.name}: feature columns must be numeric; not numeric: {non_numeric}")
-    nan_cols = frame.columns[frame.isna().any()].tolist()
-    if nan_cols:
-        raise DataError(f"{path.name}: missing values (NaN) in columns {nan_cols}; fill or drop them first")
-    x = features.to_numpy(dtype=np.float64)
-    inf_cols = features.columns[np.isinf(x).any(axis=0)].tolist()
-    if inf_cols:
-        raise DataError(f"{path.name}: infinite values (inf) in columns {inf_cols}; replace or drop them first")
-    classes = sorted(frame[target].unique().tolist(), key=str)
-    if len(classes) < 2:
-        raise DataError(f"{path.name}: target {target!r} has a single class ({classes[0]!r}); need at least 2")
-    index = {c: i for i, c in enumerate(classes)}
-    y = frame[target].map(index).to_numpy()
-    return x, y, [str(c) for c in features.columns], [str(c) for c in classes]
-
-
 def build(cfg: DataConfig) -> tuple[Dataset, dict[str, list[float]]]:
     """Stratified train/val/test split, standardized with statistics of the train split only."""
     from sklearn.model_selection import train_test_split
 
-    x, y, feature_names, class_names = raw_table(cfg)
-    y = np.asarray(y, dtype=np.int64)
+    raw = raw_table(cfg)
+    x, feature_names, class_names = raw.x, raw.feature_names, raw.class_names
+    y = np.asarray(raw.y, dtype=np.int64)
     counts = np.bincount(y)
     source = _source_name(cfg)
     if counts.min() < 3:
@@ -157,27 +112,47 @@ def build(cfg: DataConfig) -> tuple[Dataset, dict[str, list[float]]]:
         )
     except ValueError as err:  # a class too small for the stratified split: scikit-learn's words, one line
         raise DataError(f"{source}: cannot split train/val/test: {str(err).splitlines()[0]}") from None
-    # huge finite values overflow here (the mean sums first): checked below instead of warned about
-    with np.errstate(over="ignore", invalid="ignore"):
-        mean = x_train.mean(axis=0)
-        std = x_train.std(axis=0)
-        std[std == 0] = 1.0  # constant columns stay constant instead of dividing by zero
-        train, val, test = (((a - mean) / std).astype(np.float32) for a in (x_train, x_val, x_test))
-    bad = ~np.isfinite(np.concatenate([train, val, test])).all(axis=0)
-    if bad.any():
-        columns = [name for name, b in zip(feature_names, bad, strict=True) if b]
-        raise DataError(
-            f"{_source_name(cfg)}: scaling gave non-finite values in columns {columns} "
-            "(values too large for float64/float32?); rescale those columns first"
-        )
+    (train, val, test), scaler = _scaled(raw.kind, (x_train, x_val, x_test), feature_names, source)
     dataset = Dataset(
         train=Split(train, y_train),
         val=Split(val, y_val),
         test=Split(test, y_test),
         feature_names=feature_names,
         class_names=class_names,
+        kind=raw.kind,
+        vocab=raw.vocab,
     )
-    return dataset, {"mean": mean.tolist(), "std": std.tolist()}
+    return dataset, scaler
+
+
+def scale_axes(kind: Kind, ndim: int) -> tuple[int, ...]:
+    """The axes the train split's statistics are taken over: every example for each feature (rows),
+    every example and pixel for each channel (images)."""
+    return (0,) if kind == "rows" else (0, *range(2, ndim))
+
+
+def _scaled(
+    kind: Kind, splits: tuple[np.ndarray, ...], feature_names: list[str], source: str
+) -> tuple[tuple[np.ndarray, ...], dict[str, list[float]]]:
+    """The splits standardized with the train split's statistics (per feature, per channel; tokens
+    are ids: left as they are), as float32; the scaler, flat."""
+    if kind == "tokens":
+        return tuple(a.astype(np.float32) for a in splits), {"mean": [0.0], "std": [1.0]}
+    axes = scale_axes(kind, splits[0].ndim)
+    # huge finite values overflow here (the mean sums first): checked below instead of warned about
+    with np.errstate(over="ignore", invalid="ignore"):
+        mean = splits[0].mean(axis=axes, keepdims=True)
+        std = splits[0].std(axis=axes, keepdims=True)
+        std[std == 0] = 1.0  # constant columns stay constant instead of dividing by zero
+        scaled = tuple(((a - mean) / std).astype(np.float32) for a in splits)
+    bad = ~np.isfinite(np.concatenate(scaled)).all(axis=axes)
+    if bad.any():
+        what = "columns" if kind == "rows" else "channels"
+        names = feature_names if kind == "rows" else [str(c) for c in range(bad.size)]
+        where = [name for name, b in zip(names, bad.ravel(), strict=True) if b]
+        raise DataError(f"{source}: scaling gave non-finite values in {what} {where} "
+                        f"(values too large for float64/float32?); rescale those {what} first")  # fmt: skip
+    return scaled, {"mean": mean.ravel().tolist(), "std": std.ravel().tolist()}
 
 
 def split_sizes(n_rows: int, test_fraction: float, val_share: float) -> tuple[int, int, int]:
@@ -196,12 +171,23 @@ def min_rows(n_classes: int, test_fraction: float, val_share: float) -> int:
 
 
 def _source_name(cfg: DataConfig) -> str:
-    """What to name in an error about the rows: the CSV's file name, or the source."""
-    return Path(cfg.csv_path or "").name if cfg.source == "csv" else f"data.source {cfg.source}"
+    """What to name in an error about the rows: the CSV's or the .npz's file name, or the source."""
+    if cfg.source in ("csv", "npz"):
+        return Path((cfg.csv_path if cfg.source == "csv" else cfg.npz_path) or "").name
+    return f"data.source {cfg.source}"
 
 
 EXAMPLES = "examples.csv"  # in the prepared folder: raw rows for `batchlab predict`
+EXAMPLE_ARRAYS = "examples.npy"  # the same for images and tokens: raw examples, as predict takes them
 EXAMPLE_ROWS = 20
+
+
+def unscaled(dataset: Dataset, scaler: dict[str, list[float]], x: np.ndarray) -> np.ndarray:
+    """Prepared examples back to raw values (float64): what `batchlab predict` takes."""
+    if dataset.kind == "tokens":
+        return x.astype(np.float64)
+    shape = (1, -1, *([1] * (x.ndim - 2))) if dataset.kind == "images" else (1, -1)
+    return x.astype(np.float64) * np.asarray(scaler["std"]).reshape(shape) + np.asarray(scaler["mean"]).reshape(shape)
 
 
 def save(dataset: Dataset, scaler: dict[str, list[float]], folder: str | Path, inputs_key: str = "") -> dict[str, Any]:
@@ -217,7 +203,9 @@ def save(dataset: Dataset, scaler: dict[str, list[float]], folder: str | Path, i
             np.save(tmp / f"x_{name}.npy", split.x)
             np.save(tmp / f"y_{name}.npy", split.y)
         (tmp / "dataset.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if len(scaler.get("std", [])) == dataset.test.x.shape[1]:  # the scaling known: the raw rows are
+        if dataset.kind != "rows":
+            np.save(tmp / EXAMPLE_ARRAYS, unscaled(dataset, scaler, dataset.test.x[:EXAMPLE_ROWS]))
+        elif len(scaler.get("std", [])) == dataset.test.x.shape[1]:  # the scaling known: the raw rows are
             _write_examples(dataset, scaler, tmp / EXAMPLES)
     return summary
 
@@ -227,7 +215,7 @@ def _write_examples(dataset: Dataset, scaler: dict[str, list[float]], path: Path
     rows to try `batchlab predict` on, as the docs' command does."""
     import csv
 
-    rows = dataset.test.x[:EXAMPLE_ROWS].astype(np.float64) * np.asarray(scaler["std"]) + np.asarray(scaler["mean"])
+    rows = unscaled(dataset, scaler, dataset.test.x[:EXAMPLE_ROWS])
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(dataset.feature_names)
@@ -243,25 +231,30 @@ def load(folder: str | Path) -> Dataset:
     try:
         meta = json.loads(meta_path.read_text())
         feature_names, class_names = list(meta["feature_names"]), list(meta["class_names"])
+        input_shape = tuple(int(n) for n in meta.get("input_shape", [len(feature_names)]))
+        kind, vocab = meta.get("kind", "rows"), int(meta.get("vocab", 0))
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise DataError(f"{meta_path} is damaged ({type(err).__name__}); {REGENERATE}") from err
     splits = {}
     for name in SPLITS:
         x_path, y_path = folder / f"x_{name}.npy", folder / f"y_{name}.npy"
         split = Split(_load_array(x_path), _load_array(y_path))
-        if split.y.ndim != 1 or split.x.shape != (split.y.shape[0], len(feature_names)):
+        if split.y.ndim != 1 or split.x.shape != (split.y.shape[0], *input_shape):
             raise DataError(f"{x_path} and {y_path} do not match {meta_path}; {REGENERATE}")
         splits[name] = split
-    return Dataset(**splits, feature_names=feature_names, class_names=class_names)
+    return Dataset(**splits, feature_names=feature_names, class_names=class_names, kind=kind, vocab=vocab)
 
 
 @dataclass(frozen=True)
 class Shape:
     """A prepared dataset's sizes, read from dataset.json alone: what choosing threads needs."""
 
-    n_features: int
+    n_features: int  # numbers per example
     n_classes: int
     rows: dict[str, int]  # per split
+    input_shape: tuple[int, ...] = ()
+    kind: Kind = "rows"
+    vocab: int = 0
 
 
 def shape(folder: str | Path) -> Shape:
@@ -272,7 +265,9 @@ def shape(folder: str | Path) -> Shape:
     try:
         meta = json.loads(meta_path.read_text())
         rows = {name: int(meta["splits"][name]["rows"]) for name in SPLITS}
-        return Shape(len(meta["feature_names"]), len(meta["class_names"]), rows)
+        input_shape = tuple(int(n) for n in meta.get("input_shape", [len(meta["feature_names"])]))
+        return Shape(math.prod(input_shape), len(meta["class_names"]), rows, input_shape, meta.get("kind", "rows"),
+                     int(meta.get("vocab", 0)))  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise DataError(f"{meta_path} is damaged ({type(err).__name__}); {REGENERATE}") from err
 
