@@ -286,8 +286,13 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
                                  "int8_onnxruntime_full_us": int8["latency_us"]["int8_full"]})  # fmt: skip
             tracker.log_artifact(int8["file"], "export")
         tracker.log_onnx_model(paths.onnx)
-        raw_rows = dataset.test.x[:5] * np.asarray(prep.std) + np.asarray(prep.mean)  # unscaled: the input example
-        predictor_uri = tracker.log_predictor(paths.onnx, raw_rows)
+        predictor_uri = None
+        if dataset.kind == "rows":  # the predictor takes named columns; images and tokens go through predict
+            raw_rows = dataset.test.x[:5] * np.asarray(prep.std) + np.asarray(prep.mean)  # unscaled: the example
+            predictor_uri = tracker.log_predictor(paths.onnx, raw_rows)
+        elif run_id is not None:
+            log.info("export: no MLflow predictor for %s (it takes named columns): predict with models/model.onnx",
+                     dataset.kind)  # fmt: skip
         tracker.record_digests()  # every model of the run, train's included: `batchlab verify` checks them
         _register(cfg, paths, tracker, predictor_uri)
     log.info("export: %s, max |onnx - torch| = %.2e", paths.onnx, export_report["max_abs_diff"])
