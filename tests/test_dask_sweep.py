@@ -9,9 +9,11 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,10 +113,17 @@ def _w2(setup: Setup) -> None:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One `prefect server` for the module's sweeps: its API URL."""
+    with prefect_server(tmp_path_factory.mktemp("prefect")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory, api: str) -> Iterator[Setup]:
     tmp = tmp_path_factory.mktemp("dask")
     repo = copy_repo(tmp / "repo")
-    with mlflow_on_postgres(tmp) as mlflow, prefect_server(tmp) as api:
+    with mlflow_on_postgres(tmp) as mlflow:
         params = yaml.safe_load((repo / "params.yaml").read_text())
         write_params(repo, merge(params, {"tracking": TRACK}))
         run(["git", "commit", "-qam", "tracked"], repo)
@@ -296,18 +305,148 @@ def test_sqlite_tracking_is_refused_before_anything_runs(tmp_path: Path) -> None
     assert not (tmp_path / "sweep").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+def _no_tracking(params: dict[str, Any], address: str, **sweep: Any) -> dict[str, Any]:
+    return merge(params, {"tracking": {"enabled": False}, "sweep": {**SWEEP, "dask_address": address, **sweep}})
+
+
 @pytest.mark.slow
-def test_unanswering_scheduler_is_refused_within_seconds(tmp_path: Path) -> None:
+def test_address_where_nothing_listens_is_refused_within_seconds(tmp_path: Path) -> None:
     params = _prepared(tmp_path)
     address = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
-    write_params(tmp_path, merge(params, {"tracking": {"enabled": False}, "sweep": {**SWEEP, "dask_address": address}}))
+    write_params(tmp_path, _no_tracking(params, address))
     proc = run(["batchlab", "sweep"], tmp_path, check=False)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
-        f"batchlab: error: the Dask scheduler at {address} did not answer within 5 s (OSError); "
+        f"batchlab: error: the Dask scheduler at {address} did not answer within 5 s (nothing took the connection); "
         "start `dask scheduler` there or fix sweep.dask_address"
     ]
     assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.slow
+def test_scheduler_that_takes_the_connection_and_never_answers_is_given_up_after_5_s(tmp_path: Path) -> None:
+    """A real `dask scheduler`, stopped (SIGSTOP): the kernel still accepts connections on its port,
+    and nothing ever answers them. distributed's Client(timeout=5) waited there for ever."""
+    params = _prepared(tmp_path)
+    stuck = Cluster(tmp_path, env_with_venv())
+    try:
+        stuck.scheduler()
+        stuck.pause("scheduler")
+        write_params(tmp_path, _no_tracking(params, stuck.address))
+        started = time.monotonic()
+        cmd = ["batchlab", "sweep"]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env_with_venv(), capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - started
+    finally:
+        stuck.stop()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"batchlab: error: the Dask scheduler at {stuck.address} did not answer within 5 s (it took the connection "
+        "and sent nothing back: a stopped or stuck scheduler, or another program's port); restart `dask scheduler` "
+        "there or fix sweep.dask_address"
+    ]
+    assert took < 30, took  # the 5 s, plus the command's start on a loaded machine
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.slow
+def test_dask_address_that_is_not_an_address_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    """Refused by `batchlab validate` (the first stage of `dvc repro`), and by `batchlab sweep` before
+    it reaches distributed (which raised a ValueError deep in its connect: a 60-line traceback)."""
+    write_params(tmp_path, _no_tracking(_prepared(tmp_path), "not-an-address"))
+    error = (
+        "batchlab: error: sweep.dask_address must be a Dask scheduler's address, [tcp://]host:port as "
+        "`dask scheduler` prints it (e.g. tcp://10.0.0.5:8786), got 'not-an-address'"
+    )
+    for stage in ("validate", "sweep"):
+        proc = run(["batchlab", stage], tmp_path, check=False)
+        assert (proc.returncode, proc.stderr.strip().splitlines()) == (2, [error]), (stage, proc.stderr[-3000:])
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.slow
+def test_scheduler_killed_mid_sweep_is_one_line_without_tracebacks_and_the_rerun_resumes(
+    api: str, tmp_path: Path
+) -> None:
+    params = _prepared(tmp_path)
+    env = env_with_venv(PREFECT_API_URL=api)
+    results = tmp_path / "sweep" / "experiments"
+    lost = Cluster(tmp_path, env)
+    try:
+        lost.scheduler()
+        lost.worker("solo")  # one experiment at a time, in the sweep's own folder
+        write_params(tmp_path, _no_tracking(params, lost.address, epochs=200))
+        with open(tmp_path / "sweep.out", "w") as out, open(tmp_path / "sweep.err", "w") as err:
+            proc = subprocess.Popen(["batchlab", "sweep"], cwd=tmp_path, env=env, stdout=out, stderr=err)
+        wait_until(
+            lambda: list(results.glob("*/result.json")),
+            "an experiment to finish",
+            process=proc,
+            log=tmp_path / "sweep.err",
+        )
+        lost.kill("scheduler")  # while the other experiment trains
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        lost.stop()
+    stderr = (tmp_path / "sweep.err").read_text()
+    assert proc.returncode == 1, stderr[-5000:]
+    assert "Traceback" not in stderr, stderr[-5000:]
+    lines = stderr.strip().splitlines()
+    error = (
+        f"batchlab: error: lost the Dask scheduler at {lost.address} mid-sweep (FutureCancelledError); the finished "
+        "experiments are kept: run the sweep again to resume"
+    )
+    assert [line for line in lines if line.startswith("batchlab: error:")] == lines[-1:] == [error], stderr[-5000:]
+    # as it says: the rerun, on a scheduler that answers, trains only the experiment that did not finish
+    (kept,) = results.glob("*/result.json")
+    kept_bytes = kept.read_bytes()
+    again = Cluster(tmp_path, env)
+    try:
+        again.scheduler()
+        again.worker("solo")
+        write_params(tmp_path, _no_tracking(params, again.address, epochs=200))
+        rerun = run(["batchlab", "sweep"], tmp_path, check=False, PREFECT_API_URL=api)
+    finally:
+        again.stop()
+    assert rerun.returncode == 0, rerun.stderr[-5000:]
+    assert "sweep: resuming, 1 of 2 experiments already finished" in rerun.stderr, rerun.stderr[-5000:]
+    assert kept.read_bytes() == kept_bytes and len(list(results.glob("*/result.json"))) == 2
+
+
+def _documented_re_measure() -> str:
+    """The re-measure command docs/sweep.md gives for `dvc exp run`, with PATH's batchlab and dvc."""
+    (command,) = re.findall(
+        r"`([^`]*dvc commit -f sweep[^`]*dvc exp run[^`]*)`", (REPO / "docs" / "sweep.md").read_text()
+    )
+    return command.replace(".venv/bin/", "")
+
+
+@pytest.mark.slow
+def test_re_measuring_through_dvc_exp_run_reaches_the_cluster(api: str, tmp_path: Path) -> None:
+    repo = copy_repo(tmp_path / "repo")
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    write_params(repo, merge(params, {"sweep": {"batch_sizes": [16, 32], "seeds": [0]}}))
+    run(["dvc", "repro", "-q", "sweep"], repo)  # measured here, with the local executor
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "swept"], repo)
+    cluster = Cluster(tmp_path, env_with_venv(PREFECT_API_URL=api))
+    try:
+        cluster.scheduler()
+        cluster.worker("solo")  # in the repo's own folder
+        on_cluster = f"-S sweep.executor=dask -S sweep.dask_address={cluster.address}"
+        # what the user did: DVC brings the deleted sweep/ back from its cache, and nothing is trained
+        plain = run(["bash", "-c", f"rm -rf sweep && dvc exp run {on_cluster}"], repo, PREFECT_API_URL=api)
+        assert "sweep: resuming, 2 of 2 experiments already finished" in plain.stderr, plain.stderr[-5000:]
+        assert cluster.log("solo").count("Finished in state Completed") == 0
+        again = run(["bash", "-c", f"{_documented_re_measure()} {on_cluster}"], repo, PREFECT_API_URL=api)
+        tasks = cluster.log("solo").count("Finished in state Completed")
+    finally:
+        cluster.stop()
+    assert "resuming" not in again.stderr and "already finished" not in again.stderr, again.stderr[-5000:]
+    assert tasks == 2, cluster.log("solo")[-5000:]  # both experiments, trained on the cluster's worker
+    assert len(list((repo / "sweep" / "experiments").glob("*/result.json"))) == 2
 
 
 @pytest.mark.slow

@@ -13,11 +13,15 @@ experiment's child run stored, training nothing (experiment.stored_result).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +31,7 @@ from prefect.cache_policies import NONE
 from prefect.futures import as_completed
 
 import batchlab
-from batchlab import atomic, data, orchestration, stages, tracking
+from batchlab import atomic, data, orchestration, stages, tracking, validate
 from batchlab.config import Config, ConfigError
 from batchlab.sweep import groups
 from batchlab.sweep.experiment import Experiment, code_hash
@@ -35,7 +39,7 @@ from batchlab.training import threads
 
 # the worker's checkout of the repo, when it is not at the path the sweep was started from
 WORKER_ROOT_ENV = "BATCHLAB_WORKER_ROOT"
-SCHEDULER_TIMEOUT_S = 5
+SCHEDULER_TIMEOUT_S = 5  # the whole check: connect, handshake and the scheduler's answer
 # what a distributed sweep's MLflow store may be: every worker writes its child runs there
 SHARED_STORES = ("http://", "https://", "postgresql", "mysql", "mssql")
 
@@ -59,6 +63,7 @@ class Expected:
 
 def preflight(cfg: Config) -> None:
     """Fail in seconds, in one line naming the fix, before any experiment or run starts."""
+    validate.dask_address(cfg.sweep.dask_address)
     uri = tracking.resolve_uri(cfg.tracking)
     if cfg.tracking.enabled and not uri.startswith(SHARED_STORES):
         raise ConfigError(
@@ -70,16 +75,50 @@ def preflight(cfg: Config) -> None:
     _check_scheduler(str(cfg.sweep.dask_address))
 
 
-def _check_scheduler(address: str) -> None:
-    from distributed import Client
+async def _count_workers(address: str) -> int:
+    from distributed.comm import connect
+    from distributed.core import send_recv
 
+    # connect's timeout bounds the TCP connect only (its handshake then waits for ever), and is
+    # shorter than the check's: a port nobody listens on ends here, in an OSError
+    comm = await connect(address, timeout=SCHEDULER_TIMEOUT_S - 1)
     try:
-        with Client(address, timeout=SCHEDULER_TIMEOUT_S, set_as_default=False) as client:
-            workers = client.scheduler_info(n_workers=-1)["workers"]
-    except (OSError, TimeoutError) as err:
+        return int((await send_recv(comm, op="identity", n_workers=0))["n_workers"])
+    finally:
+        comm.abort()
+
+
+def _workers_at(address: str) -> int:
+    """How many workers the scheduler at `address` has, asked with a deadline on the whole exchange:
+    distributed's Client(timeout=...) waits for ever on a port that takes the connection and never
+    answers (a stopped or stuck scheduler)."""
+
+    async def within_deadline() -> int:
+        return await asyncio.wait_for(_count_workers(address), SCHEDULER_TIMEOUT_S)
+
+    # a loop of its own in a thread of its own: a Prefect flow's thread may be running one
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, within_deadline()).result()
+
+
+def _check_scheduler(address: str) -> None:
+    within = f"did not answer within {SCHEDULER_TIMEOUT_S} s"
+    try:
+        workers = _workers_at(address)
+    except TimeoutError:  # before OSError, which it is: only a connection that was taken gets here
         raise DaskUnavailable(
-            f"the Dask scheduler at {address} did not answer within {SCHEDULER_TIMEOUT_S} s "
-            f"({type(err).__name__}); start `dask scheduler` there or fix sweep.dask_address"
+            f"the Dask scheduler at {address} {within} (it took the connection and sent nothing back: a stopped "
+            f"or stuck scheduler, or another program's port); restart `dask scheduler` there or fix sweep.dask_address"
+        ) from None
+    except OSError:
+        raise DaskUnavailable(
+            f"the Dask scheduler at {address} {within} (nothing took the connection); "
+            f"start `dask scheduler` there or fix sweep.dask_address"
+        ) from None
+    except Exception as err:  # something answered, not in Dask's protocol
+        raise DaskUnavailable(
+            f"{address} answered, but not as a Dask scheduler ({type(err).__name__}: {err}); "
+            f"fix sweep.dask_address (the scheduler's port, 8786 by default)"
         ) from None
     if not workers:  # the experiments would wait for one forever
         raise DaskUnavailable(f"the Dask scheduler at {address} has no workers; start `dask worker {address}`")
@@ -176,6 +215,39 @@ def on_cluster(
     return results
 
 
+class _LostSchedulerTracebacks(logging.Filter):
+    """A lost scheduler ends the sweep in one line (DaskUnavailable): the tracebacks of it that
+    Prefect (the flow's exception) and distributed (its reconnect, cancelled as the client
+    closes) log on the way would bury that line."""
+
+    def __init__(self, lost: tuple[type[BaseException], ...]) -> None:
+        super().__init__()
+        self.lost = lost
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        err = record.exc_info[1] if record.exc_info else None
+        if isinstance(err, asyncio.CancelledError):
+            return False  # an empty message above a traceback
+        if isinstance(err, self.lost):
+            record.exc_info = record.exc_text = None  # "Encountered exception ...: FutureCancelledError()" stays
+        return True
+
+
+@contextlib.contextmanager
+def _without_tracebacks_of(lost: tuple[type[BaseException], ...]) -> Iterator[None]:
+    """On every handler (Prefect's console and API handlers hang on several loggers) while the flow runs."""
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    handlers = {h for lg in loggers if isinstance(lg, logging.Logger) for h in lg.handlers}
+    quiet = _LostSchedulerTracebacks(lost)
+    for handler in handlers:
+        handler.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(quiet)
+
+
 def run(
     cfg: Config, todo: list[Experiment], paths: stages.Paths, parent_run_id: str | None
 ) -> dict[str, dict[str, Any]]:
@@ -191,11 +263,13 @@ def run(
     uri = tracking.resolve_uri(cfg.tracking)
     cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"tracking_uri": uri})})
     runner = DaskTaskRunner(address=address, client_kwargs={"set_as_default": False})
+    lost = (FutureCancelledError, OSError)  # OSError: distributed's CommClosedError, a refused reconnect
     try:
         # DaskTaskRunner is a TaskRunner of its own future type, which with_options does not spell
         flow_ = on_cluster.with_options(task_runner=runner)  # type: ignore[arg-type]
-        return flow_(cfg, todo, paths, parent_run_id, expected(paths))
-    except (FutureCancelledError, OSError) as err:
+        with _without_tracebacks_of(lost):
+            return flow_(cfg, todo, paths, parent_run_id, expected(paths))
+    except lost as err:
         raise DaskUnavailable(
             f"lost the Dask scheduler at {address} mid-sweep ({type(err).__name__}); the finished experiments "
             f"are kept: run the sweep again to resume"
