@@ -15,14 +15,14 @@ from typing import Any
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
-from prefect.futures import PrefectFuture
+from prefect.futures import PrefectFuture, as_completed
 from prefect.tasks import exponential_backoff
 
 from batchlab import orchestration, stages
 from batchlab.config import Config
-from batchlab.sweep import executors, groups, lock
+from batchlab.sweep import executors, groups, lock, progress
 from batchlab.sweep.experiment import Experiment
-from batchlab.sweep.run import finish, parent_run, prepare
+from batchlab.sweep.run import finish, parent_run, prepare, run_counted
 from batchlab.training import launch
 from pipeline import generate  # flows/ is on sys.path when a flow file runs
 
@@ -53,7 +53,12 @@ def in_lanes(
             future = experiment.submit(cfg, group, name, root, parent_run_id, wait_for=previous, return_state=False)
             futures.append(future)
             previous = [future]
-    return {name: result for future in futures for name, result in future.result().items()}
+    results: dict[str, dict[str, Any]] = {}
+    for done in as_completed(futures):  # counted as they finish: done / total, the time left
+        rows = done.result()
+        results.update(rows)
+        progress.finished(rows)
+    return results
 
 
 @flow(name="batchlab-sweep", log_prints=True)
@@ -69,7 +74,7 @@ def batch_size_sweep(
         executor = executors.for_sweep(cfg, local=in_lanes)  # sweep.executor: dask runs a subflow on the cluster
         study = prepare(cfg, paths)
         with parent_run(cfg, paths, study) as parent:
-            results = executor.run(cfg, study.todo, paths, parent.run_id)
+            results = run_counted(executor, cfg, study, paths, parent.run_id)
             summary = finish(cfg, paths, study, results, parent)
     create_markdown_artifact(
         key="batchlab-sweep", markdown=f"**MLflow parent run:** `{study.parent_run_id}`\n\n{summary['markdown']}"

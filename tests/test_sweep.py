@@ -23,7 +23,7 @@ from batchlab.sweep import experiment
 from batchlab.sweep.experiment import experiment_config, plan, scaled_lr
 from batchlab.sweep.run import prepare, run_sweep
 from batchlab.training.train import initial_model
-from tests.conftest import env_with_venv, merge, run, tiny_config, wait_until, write_params
+from tests.conftest import TINY, env_with_venv, merge, run, tiny_config, wait_until, write_params
 
 TRACK = {"enabled": True, "experiment": "sweep-test", "registered_model": ""}
 
@@ -344,3 +344,51 @@ def test_dvc_rerun_of_a_finished_sweep_leaves_dvc_clean(repo_copy: Path) -> None
     assert "Running stage 'sweep'" in out.stdout and "already finished" not in out.stderr + out.stdout
     assert len(list((repo_copy / "sweep/experiments").glob("*/result.json"))) == 3
     assert (repo_copy / "dvc.lock").read_text() != lock  # new measurements
+
+
+def test_progress_counts_experiments_and_the_time_left_at_the_pace_so_far(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from batchlab.sweep import progress
+
+    clock = iter([100.0, 130.0, 190.0, 190.0])  # started, after 1 experiment, after 3, at the end
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    caplog.set_level(logging.INFO, logger="batchlab.sweep.progress")
+    with progress.counting(total=10, done=2) as counted:  # 2 finished in an earlier attempt
+        assert counted.bar is None  # not a terminal (pytest's stderr): log lines
+        progress.finished(["bs16-seed0"])
+        progress.finished(["bs32-seed0", "bs32-seed1"])
+    progress.finished(["outside"])  # no sweep counting: nothing
+    assert [r.getMessage() for r in caplog.records] == [
+        "sweep: 3/10 experiments done, about 3 min 30 s left",  # 30 s for 1: 7 left
+        "sweep: 5/10 experiments done, about 2 min 30 s left",  # 90 s for 3: 5 left
+    ]
+
+
+def test_on_a_terminal_the_sweep_draws_a_bar_of_experiments(workdir: Path) -> None:
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    write_params(workdir, merge(TINY, {"sweep": {"batch_sizes": [16, 32], "seeds": [0]}}))
+    run(["batchlab", "generate"], workdir)
+    leader, follower = pty.openpty()  # stderr is a terminal, as in a user's shell: 120 columns wide
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(["batchlab", "sweep"], cwd=workdir, env=env_with_venv(), stdout=follower,
+                            stderr=follower, stdin=subprocess.DEVNULL)  # fmt: skip
+    os.close(follower)
+    out = bytearray()
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the process closed the terminal: EIO
+            break
+        if not chunk:
+            break
+        out.extend(chunk)
+    os.close(leader)
+    text = out.decode(errors="replace")
+    assert proc.wait(timeout=60) == 0, text
+    assert "sweep: 100%" in text and "2/2" in text and "experiment" in text, text

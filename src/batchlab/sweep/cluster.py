@@ -33,7 +33,7 @@ from prefect.futures import as_completed
 import batchlab
 from batchlab import atomic, data, orchestration, stages, tracking, validate
 from batchlab.config import Config, ConfigError
-from batchlab.sweep import groups
+from batchlab.sweep import groups, progress
 from batchlab.sweep.experiment import Experiment, code_hash
 from batchlab.training import threads
 
@@ -212,6 +212,7 @@ def on_cluster(
             # kept here too: a resume finds it even when the workers' folders are not this one
             atomic.write_json(paths.outputs / "sweep" / "experiments" / name / "result.json", result)
             results[name] = result
+        progress.finished(done.result())
     return results
 
 

@@ -10,13 +10,13 @@ still to do and returns their result rows by name, as run.finish expects them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
 from batchlab.config import Config
 from batchlab.paths import Paths
-from batchlab.sweep import groups
+from batchlab.sweep import groups, progress
 from batchlab.sweep.experiment import Experiment
 
 Results = dict[str, dict[str, Any]]
@@ -36,7 +36,12 @@ def run_local(cfg: Config, todo: list[Experiment], paths: Paths, parent_run_id: 
         # the seeds of one batch size and lr train together (groups.py); alone where they cannot
         together = groups.groups(cfg, todo)
         futures = [pool.submit(groups.run_group, cfg, group, paths, parent_run_id) for group in together]
-        return {name: result for future in futures for name, result in future.result().items()}
+        results: Results = {}
+        for future in as_completed(futures):
+            done = future.result()
+            results.update(done)
+            progress.finished(done)
+        return results
 
 
 def for_sweep(cfg: Config, local: Runner = run_local) -> Executor:

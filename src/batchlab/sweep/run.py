@@ -15,7 +15,7 @@ from typing import Any
 from batchlab import atomic, data, stages, tracking
 from batchlab.config import Config
 from batchlab.study import analysis, report
-from batchlab.sweep import executors, experiment, truth
+from batchlab.sweep import executors, experiment, progress, truth
 from batchlab.sweep import state as sweep_state
 from batchlab.sweep.lock import exclusive
 from batchlab.sweep.state import Sweep
@@ -40,7 +40,8 @@ def prepare(cfg: Config, paths: stages.Paths) -> Sweep:
     sweep = Sweep(experiments, finished, key, state.get("parent_run_id"), earlier, state.get("reported"))
     if sweep.up_to_date:
         log.info(
-            "sweep: all %d experiments already finished; nothing to do (delete %s/ to re-measure)",
+            "sweep: all %d experiments already finished; nothing to do (to re-measure: delete %s/; under "
+            "`dvc exp run`, docs/sweep.md says how)",
             len(experiments),
             paths.outputs / "sweep",
         )
@@ -132,12 +133,22 @@ def description(study: analysis.Study, markdown: str, parent: tracking.Tracker) 
     return f"{report.headline(study)}\n{compare}{markdown}"
 
 
+def run_counted(
+    executor: executors.Executor, cfg: Config, sweep: Sweep, paths: stages.Paths, parent_run_id: str | None
+) -> dict[str, dict[str, Any]]:
+    """The experiments still to do, through `executor`, counted done / total with the time left."""
+    if not sweep.todo:
+        return executor.run(cfg, sweep.todo, paths, parent_run_id)
+    with progress.counting(len(sweep.experiments), len(sweep.experiments) - len(sweep.todo)):
+        return executor.run(cfg, sweep.todo, paths, parent_run_id)
+
+
 def run_sweep(cfg: Config, paths: stages.Paths) -> dict[str, Any]:
     """Run every experiment not already finished, then write the trade-off report."""
     executor = executors.for_sweep(cfg)  # its checks fail before anything runs
     with exclusive(paths):
         sweep = prepare(cfg, paths)
         with parent_run(cfg, paths, sweep) as parent:
-            results = executor.run(cfg, sweep.todo, paths, parent.run_id)
+            results = run_counted(executor, cfg, sweep, paths, parent.run_id)
             summary = finish(cfg, paths, sweep, results, parent)
     return summary
