@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mlflow import MlflowClient
 
-from tests.conftest import BIN, env_with_venv, wait_until
+from tests.conftest import BIN, env_with_venv, run, set_params, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -58,6 +59,9 @@ def _lrs(repo: Path, env: dict[str, str]) -> dict[str, tuple[float, Any]]:
 
 def test_temp_and_queued_experiments_run_without_the_venv_on_path(repo_copy: Path) -> None:
     (repo_copy / ".venv").symlink_to(sys.prefix)  # what `make run` creates
+    # tracked with the default relative store: the runs must land in the project's, not in DVC's copies
+    set_params(repo_copy, "tracking", enabled=True, tracking_uri="sqlite:///mlflow.db")
+    run(["git", "commit", "-qam", "track"], repo_copy)
     env = _plain_shell()
     assert subprocess.run(["bash", "-c", "command -v batchlab dvc"], env=env).returncode != 0
 
@@ -76,3 +80,9 @@ def test_temp_and_queued_experiments_run_without_the_venv_on_path(repo_copy: Pat
     runs = _lrs(repo_copy, env)
     assert sorted(lr for lr, _ in runs.values()) == [0.002, 0.004, 0.008], runs
     assert all(summary for _, summary in runs.values()), runs  # each trained and recorded its metrics
+    client = MlflowClient(f"sqlite:///{repo_copy / 'mlflow.db'}")
+    found = client.search_runs([client.get_experiment_by_name("batchlab").experiment_id])
+    assert sorted(float(r.data.params["train.lr"]) for r in found) == [0.002, 0.004, 0.008]
+    for r in found:  # finished, with artifacts outside the copies DVC deleted
+        assert r.info.status == "FINISHED" and str(repo_copy / "mlruns") in r.info.artifact_uri, r.info.artifact_uri
+        assert "history.csv" in {a.path for a in client.list_artifacts(r.info.run_id)}

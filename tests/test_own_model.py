@@ -185,3 +185,27 @@ def test_a_users_module_goes_through_dvc_repro_the_sweep_and_predict(repo_copy: 
         code.write("# an edit\n")
     status = run(["dvc", "status", "train"], repo_copy).stdout
     assert "usermodels" in status and "modified" in status, status
+
+
+@pytest.mark.slow
+def test_a_users_module_under_ddp_and_fsdp_units_ends_as_one_process(repo_copy: Path) -> None:
+    """usermodels/residual.py (no dropout, GroupNorm): 2 ranks of DDP, and FSDP sharding each residual
+    Block (train.fsdp_units), end within 1e-5 of one process; a class the model lacks is one line."""
+    from tests.test_ddp import DDP, _max_diff, _weights
+
+    set_params(repo_copy, "data", source="digits_images")
+    set_params(repo_copy, "model", factory="usermodels.residual:build", kwargs={"width": 8})
+    set_params(repo_copy, "train", epochs=2)
+    run(["batchlab", "generate"], repo_copy)
+    run(["batchlab", "train"], repo_copy)
+    single = _weights(repo_copy)
+    set_params(repo_copy, "train", **DDP)
+    run(["batchlab", "train"], repo_copy)
+    assert _max_diff(single, _weights(repo_copy)) < 1e-5
+    set_params(repo_copy, "train", strategy="fsdp", fsdp_units=["Block"])
+    run(["batchlab", "train"], repo_copy)
+    assert _max_diff(single, _weights(repo_copy)) < 1e-5
+    set_params(repo_copy, "train", fsdp_units=["Bottleneck"])
+    proc = run(["batchlab", "train"], repo_copy, check=False)
+    assert proc.returncode != 0 and "train.fsdp_units ['Bottleneck']: the model has no module of those classes; " \
+        "it has ['Block', 'Conv2d', 'GroupNorm', 'Linear', 'ResidualCNN', 'Sequential']" in proc.stderr, proc.stderr

@@ -19,11 +19,34 @@ class TrackingUnavailable(RuntimeError):
 
 
 def resolve_uri(cfg: TrackingConfig) -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri
+    return at_project_root(os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri)
 
 
 def _sqlite_path(uri: str) -> Path | None:
     return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+
+
+def moved_root() -> Path | None:
+    """The project's root when this command runs in a copy of it: `dvc exp run --temp` and `dvc queue`
+    run the stages under .dvc/tmp/exps/, a folder DVC deletes afterwards (DVC_ROOT names the project)."""
+    root = os.environ.get("DVC_ROOT")
+    if not root or Path(root).resolve() == Path.cwd().resolve():
+        return None
+    return Path(root).resolve()
+
+
+def at_project_root(uri: str) -> str:
+    """A relative SQLite store (the default sqlite:///mlflow.db) in the project's root, not in a copy
+    DVC deletes with the runs in it."""
+    path, root = _sqlite_path(uri), moved_root()
+    return f"sqlite:///{root / path}" if path is not None and not path.is_absolute() and root else uri
+
+
+def artifact_location(uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts when MLflow's default (./mlruns beside the command)
+    is in a copy DVC deletes: the project's mlruns/. None otherwise (MLflow's default)."""
+    root = moved_root()
+    return (root / "mlruns").as_uri() if root is not None and _sqlite_path(uri) is not None else None
 
 
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:

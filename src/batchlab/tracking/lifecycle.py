@@ -12,7 +12,14 @@ from typing import Any
 
 from batchlab.config import TrackingConfig
 from batchlab.tracking import outage, ownership
-from batchlab.tracking.backend import check_reachable, prepare_backend, quick_http_retries, resolve_uri, retry_locked
+from batchlab.tracking.backend import (
+    artifact_location,
+    check_reachable,
+    prepare_backend,
+    quick_http_retries,
+    resolve_uri,
+    retry_locked,
+)
 from batchlab.tracking.base import FAILED_ATTEMPT, REAPED, RESUMED_FROM, Resumable, Tracker
 from batchlab.tracking.mlflow_tracker import MlflowTracker, log_metrics_batched, metrics_from_rows
 
@@ -92,6 +99,16 @@ def _tracking_uri(uri: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
+def _create_where_kept(client: Any, name: str, uri: str) -> None:
+    """Create the experiment with its artifacts in the project's mlruns/ when this command runs in a
+    copy DVC will delete (backend.artifact_location); MLflow's default otherwise."""
+    location = artifact_location(uri)
+    if location is None or retry_locked(client.get_experiment_by_name, name) is not None:
+        return
+    with contextlib.suppress(Exception):  # another queued experiment created it first: it is there
+        client.create_experiment(name, artifact_location=location)
+
+
 class Interrupted(BaseException):
     """SIGTERM, raised so that the run can be ended KILLED."""
 
@@ -125,8 +142,9 @@ def run(
     if cfg.system_metrics:
         mlflow.set_system_metrics_sampling_interval(2)  # default 10 s misses short runs
     with _tracking_uri(uri):
-        experiment = retry_locked(mlflow.set_experiment, cfg.experiment)
         client = MlflowClient(uri)
+        _create_where_kept(client, cfg.experiment, uri)
+        experiment = retry_locked(mlflow.set_experiment, cfg.experiment)
         _end_orphans(client, experiment.experiment_id)  # one query: the RUNNING runs of this host
         continuing = resume is not None and _continuable(client, resume.run_id, experiment.experiment_id)
         if continuing and resume is not None:
