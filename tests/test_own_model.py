@@ -207,5 +207,9 @@ def test_a_users_module_under_ddp_and_fsdp_units_ends_as_one_process(repo_copy: 
     assert _max_diff(single, _weights(repo_copy)) < 1e-5
     set_params(repo_copy, "train", fsdp_units=["Bottleneck"])
     proc = run(["batchlab", "train"], repo_copy, check=False)
-    assert proc.returncode != 0 and "train.fsdp_units ['Bottleneck']: the model has no module of those classes; " \
-        "it has ['Block', 'Conv2d', 'GroupNorm', 'Linear', 'ResidualCNN', 'Sequential']" in proc.stderr, proc.stderr
+    assert (
+        proc.returncode != 0
+        and "train.fsdp_units ['Bottleneck']: the model has no module of those classes; "
+        "it has ['Block', 'Conv2d', 'GroupNorm', 'Linear', 'ResidualCNN', 'Sequential']"
+        in proc.stderr
+    ), proc.stderr

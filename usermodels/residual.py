@@ -1,8 +1,8 @@
 """An example of your own network: a small residual CNN, not a Sequential, with a normalization layer.
 
-    model:
-      factory: usermodels.residual:build
-      kwargs: {width: 16}
+model:
+  factory: usermodels.residual:build
+  kwargs: {width: 16}
 """
 
 from __future__ import annotations
