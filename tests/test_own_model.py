@@ -185,6 +185,8 @@ def test_a_users_module_goes_through_dvc_repro_the_sweep_and_predict(repo_copy: 
         code.write("# an edit\n")
     status = run(["dvc", "status", "train"], repo_copy).stdout
     assert "usermodels" in status and "modified" in status, status
+    proc = run(["dvc", "repro", "sweep"], repo_copy)  # measured by other code: measured again
+    assert "already finished" not in proc.stdout + proc.stderr and "sweep: 4/4 experiments done" in proc.stderr
 
 
 @pytest.mark.slow

@@ -94,15 +94,18 @@ def experiment_config(cfg: Config, exp: Experiment) -> Config:
     return parse_config(raw)
 
 
+def _tree_hash(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for source in sorted(folder.rglob("*.py")) if folder.is_dir() else []:
+        digest.update(source.relative_to(folder).as_posix().encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 @functools.cache
 def code_hash() -> str:
     """The package's source: a result measured by other code is not this code's result (a resume
     after an edit re-measures, as `dvc repro` expects when it reruns the stage for the edit)."""
-    package = Path(__file__).parents[1]  # batchlab/, every subpackage included
-    digest = hashlib.sha256()
-    for source in sorted(package.rglob("*.py")):
-        digest.update(source.relative_to(package).as_posix().encode() + b"\0" + source.read_bytes())
-    return digest.hexdigest()[:12]
+    return _tree_hash(Path(__file__).parents[1])  # batchlab/, every subpackage included
 
 
 def fingerprint(cfg: Config, exp: Experiment, data_hash: str) -> str:
@@ -111,7 +114,10 @@ def fingerprint(cfg: Config, exp: Experiment, data_hash: str) -> str:
 
 
 def key_of(exp_cfg: Config, data_hash: str) -> str:
-    return f"{exp_cfg.section_hash('model', 'train')}-{data_hash}-{code_hash()}"
+    """model.factory's experiments also key on usermodels/ (its code, at the project root): an edit
+    there re-measures them. The built-in models' keys stay as they were."""
+    user = f"-{_tree_hash(Path.cwd() / 'usermodels')}" if exp_cfg.model.factory else ""
+    return f"{exp_cfg.section_hash('model', 'train')}-{data_hash}-{code_hash()}{user}"
 
 
 def _floats(rows: list[dict[str, float]], key: str) -> list[float]:
