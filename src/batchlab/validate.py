@@ -75,9 +75,6 @@ def csv_inside_raw(cfg: DataConfig) -> None:
         )
 
 
-USER_MODELS = Path("usermodels")  # code a factory imports from here is a DVC dependency of the stages
-
-
 def factory_source(spec: str, root: Path = Path(".")) -> Path | None:
     """The file defining model.factory's function, found without importing anything: under the repo
     root (usermodels/…), else an installed package's (None when only importing can tell); a
