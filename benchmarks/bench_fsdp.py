@@ -44,8 +44,8 @@ def worker(strategy_name: str, out: Path) -> None:
     """One rank: build the MLP through batchlab's Strategy, train WARMUP + STEPS steps, write numbers."""
     from batchlab.config import parse_config
     from batchlab.model import build_model
+    from batchlab.training.optim import make_optimizer
     from batchlab.training.strategy import Strategy
-    from batchlab.training.train import make_optimizer
 
     torch.set_num_threads(1)
     cfg = parse_config(

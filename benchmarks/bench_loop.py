@@ -26,8 +26,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from batchlab.config import Config, parse_config
 from batchlab.data import Dataset, build
 from batchlab.model import build_model
+from batchlab.training.optim import steps_per_epoch
 from batchlab.training.strategy import Strategy
-from batchlab.training.train import fit, steps_per_epoch
+from batchlab.training.train import fit
 from common import Table, markdown, progress, verdict
 
 try:

@@ -13,8 +13,9 @@ import torch
 from batchlab.data import Dataset, Split
 from batchlab.model import save_torch
 from batchlab.training import train
+from batchlab.training.optim import make_optimizer, make_schedule
 from batchlab.training.strategy import Strategy
-from batchlab.training.train import NonFiniteError, fit, make_optimizer, make_schedule
+from batchlab.training.train import NonFiniteError, fit
 from tests.conftest import tiny_config
 
 CPU = Strategy(torch.device("cpu"))

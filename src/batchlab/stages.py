@@ -88,8 +88,7 @@ def write_trained(cfg: Config, paths: Paths, result: TrainResult, dataset: data.
     save_model(paths.model, result.model, cfg.model, dataset.input_shape, dataset.class_names, dataset.vocab)
     atomic.write_csv(paths.reports / "history.csv", result.history)
     write_curves(result, paths.reports / "val_curve.csv", paths.curve_weights)
-    summary = {"best_epoch": result.best_epoch, "epochs_run": len(result.history),
-               "stopped_early": result.stopped_early, "torch_threads": torch.get_num_threads()}  # fmt: skip
+    summary = {**result.summary(), "torch_threads": torch.get_num_threads()}
     atomic.write_json(paths.reports / "train_summary.json", summary)
     discard(paths.checkpoint)  # the file, or the sharded folder beside it
 
@@ -206,6 +205,8 @@ def log_trained(
     tracker.log_artifact(paths.reports / "history.csv")
     info = {"run_id": tracker.run_id, "model_uri": model_uri,
             **json.loads((paths.reports / "train_summary.json").read_text())}  # fmt: skip
+    if info.get("batch_schedule"):  # train.adaptive_batch's decisions: a table in the run's Artifacts
+        tracker.log_table(info["batch_schedule"], "batch_schedule.json")
     atomic.write_json(paths.run_info, info)
     if result is not None:
         return Trained(info, model, result.history, result.val_curve)

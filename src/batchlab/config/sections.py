@@ -117,6 +117,16 @@ class TrainConfig(Section):
         0, description="also score the val split every this many optimizer steps (0 = once per epoch only)"
     )
     curve_weights: bool = Field(False, description="keep the weights at those val points (reports/curve_weights.pt)")
+    adaptive_batch: bool = Field(False, description="grow the batch x2 while training when the measured "
+        "noise scale says that saves steps + examples (docs/adaptive.md); train.batch_size starts it")  # fmt: skip
+    max_batch_size: PositiveInt | None = Field(None, description="adaptive_batch: the cap (null: the train split)")
+    adapt_every_steps: PositiveInt = Field(100, description="adaptive_batch: decide every this many optimizer steps")
+    adapt_threshold: Annotated[float, Field(ge=0, lt=1)] = Field(
+        0.05, description="adaptive_batch: grow only when that saves more than this fraction of steps + examples"
+    )
+    adapt_lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        "sqrt", description="adaptive_batch: the lr's rescaling at each change (the sweep sets sweep.lr_scaling)"
+    )
     max_nonfinite_steps: PositiveInt = Field(
         20, description="stop after this many consecutive steps with non-finite gradients"
     )
@@ -134,7 +144,20 @@ class TrainConfig(Section):
             raise ValueError(
                 f"train.batch_size ({self.batch_size}) must divide by world size x grad_accum_steps ({per_rank})"
             )
+        if self.adaptive_batch:
+            self._adaptive_consistent()
         return self
+
+    def _adaptive_consistent(self) -> None:
+        if self.max_batch_size is not None and self.max_batch_size < self.batch_size:
+            raise ValueError(
+                f"train.max_batch_size ({self.max_batch_size}) is below train.batch_size ({self.batch_size}), "
+                "where the adaptive batch starts: raise it or leave it null (the train split)"
+            )
+        if not self.gns:
+            raise ValueError("train.adaptive_batch reads the measured noise scale: set train.gns: true")
+        if self.strategy == "fsdp":
+            raise ValueError("train.adaptive_batch needs the noise probe, which FSDP has not: use single or ddp")
 
     def world_size(self) -> int:
         return 1 if self.strategy == "single" else self.nproc * self.nnodes

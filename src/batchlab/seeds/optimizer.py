@@ -21,7 +21,7 @@ from torch import nn
 
 from batchlab.config import TrainConfig
 from batchlab.training.checkpoint import Trainee
-from batchlab.training.train import make_optimizer, make_schedule
+from batchlab.training.optim import make_optimizer, make_schedule
 
 State = dict[torch.Tensor, dict[str, Any]]
 

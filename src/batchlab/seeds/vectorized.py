@@ -41,6 +41,7 @@ from batchlab.training.epochs import (
     val_curve_points,
 )
 from batchlab.training.gns import NoiseScale
+from batchlab.training.optim import steps_per_epoch
 from batchlab.training.strategy import Strategy
 from batchlab.training.support import seeds_train_apart
 from batchlab.training.train import (
@@ -48,7 +49,6 @@ from batchlab.training.train import (
     fingerprint,
     new_trainee,
     split_tensors,
-    steps_per_epoch,
 )
 from batchlab.validate import batch_fits
 
@@ -219,11 +219,12 @@ def _finish_epoch(
     """The epoch's row of one seed, recorded as `fit` records it."""
     tc, state, noise = seed.cfg.train, seed.state, seed.noise
     stats = epoch_stats(figures.losses.contiguous(), figures.norms.contiguous(), strategy, state.nonfinite_run)
-    state.val_curve += val_curve_points(figures.scored, noise.settle(), tc.batch_size)
+    state.val_curve += val_curve_points(figures.scored, noise.settle(), lambda step: step * tc.batch_size)
     seed.curve_weights += [(step, weights.cpu()) for step, _, weights in figures.scored if weights is not None]
     state.noise_scale = noise.state_dict()
     check_finite(stats, epoch, tc, dataset, strategy, who=f"seed {tc.seed}: ")
     steps, seconds = figures.losses.shape[0], figures.seconds
+    state.steps, state.examples = state.steps + steps, state.examples + steps * tc.batch_size  # as fit counts
     row = epoch_row(epoch, stats, val_logits, y_val, steps * tc.batch_size, seconds, lr, strategy, noise)
     if state.record(row, stats.last_nonfinite_run):
         seed.trainee.keep_best()

@@ -26,7 +26,7 @@ from batchlab.seeds.vectorized import trains_together
 from batchlab.sweep import probes, truth
 from batchlab.tracking import Tracker, children
 from batchlab.training import threads
-from batchlab.training.train import steps_per_epoch
+from batchlab.training.optim import scaled_lr, steps_per_epoch
 from batchlab.validate import batches_fit
 
 log = logging.getLogger(__name__)
@@ -51,12 +51,6 @@ class Experiment:
     def name(self) -> str:
         lr = "" if self.lr_multiplier == 1.0 else f"-lrx{self.lr_multiplier:g}"
         return f"bs{self.batch_size}{lr}-seed{self.seed}"
-
-
-def scaled_lr(base_lr: float, base_batch: int, batch: int, rule: str) -> float:
-    """The learning rate at `batch`, scaled from `base_lr` at `base_batch` (linear or square-root rule)."""
-    ratio = batch / base_batch
-    return base_lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
 
 
 def plan(cfg: Config, n_train: int) -> list[Experiment]:

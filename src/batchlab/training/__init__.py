@@ -1,6 +1,8 @@
 """Training one model: the loop and everything it decides once.
 
     train       fit(): set-up -> loop -> result; early stopping, best epoch
+    optim       the optimizer and the lr schedule: per step, or per example seen (adaptive)
+    adaptive    train.adaptive_batch: the batch doubles as the measured noise scale rises
     epochs      what every epoch does and reports: the seeding rule, statistics, the non-finite guard
     strategy    device, DDP/FSDP, precision, micro-batching, decided once (Strategy)
     support     what this machine can run, from the config alone, before any process starts

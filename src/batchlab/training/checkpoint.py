@@ -74,6 +74,11 @@ class TrainState:
     val_curve: list[dict[str, float]] = field(default_factory=list)
     # gns.NoiseScale.state_dict(): its EMAs, so a resumed run continues them instead of restarting
     noise_scale: dict[str, float] = field(default_factory=dict)
+    # optimizer steps and examples since step 0 (a batch that changes makes one not the other's multiple)
+    steps: int = 0
+    examples: int = 0
+    # adaptive.BatchSchedule.state_dict(): the batch now and the decisions so far
+    batch_schedule: dict[str, Any] = field(default_factory=dict)
 
     def record(self, row: dict[str, float], nonfinite_run: int) -> bool:
         """Add an epoch's figures; True when its val loss is the best so far (keep its weights)."""
@@ -97,7 +102,7 @@ class Trainee:
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    schedule: Any  # LambdaLR or train.ConstantRate: state_dict / load_state_dict / step
+    schedule: Any  # LambdaLR, optim.ExamplesSchedule or optim.ConstantRate: state_dict / load_state_dict / step
     scaler: torch.amp.GradScaler
     best_weights: dict[str, torch.Tensor]
 

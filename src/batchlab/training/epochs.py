@@ -4,6 +4,7 @@ run, the epoch's statistics from one host sync, the non-finite guard, the histor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,10 +117,13 @@ def likely_cause(dataset: Dataset, strategy: Strategy) -> str:
 Scored = tuple[int, torch.Tensor, torch.Tensor | None]
 
 
-def val_curve_points(scored: list[Scored], noise: Trajectory, batch_size: int) -> list[dict[str, float]]:
-    """An epoch's val points, read back in one sync, with the noise scale at each point's step."""
+def val_curve_points(
+    scored: list[Scored], noise: Trajectory, examples_at: Callable[[int], int]
+) -> list[dict[str, float]]:
+    """An epoch's val points, read back in one sync, with the examples seen and the noise scale at
+    each point's step."""
     losses = torch.stack([loss for _, loss, _ in scored]).tolist() if scored else []
     return [
-        {"step": float(step), "examples": float(step * batch_size), "val_loss": loss, "gns.b_simple": noise.at(step)}
+        {"step": float(step), "examples": float(examples_at(step)), "val_loss": loss, "gns.b_simple": noise.at(step)}
         for (step, _, _), loss in zip(scored, losses, strict=True)
     ]

@@ -58,6 +58,10 @@ class Trajectory:
         i = bisect.bisect_right(self.steps, step) - 1
         return self.b_simple[i] if i >= 0 else math.nan
 
+    def then(self, later: Trajectory) -> Trajectory:
+        """This trajectory followed by one read after it."""
+        return Trajectory(self.steps + later.steps, self.b_simple + later.b_simple)
+
 
 @dataclass(frozen=True)
 class FullSplitMeasure:
@@ -142,6 +146,12 @@ class NoiseScale:
                 steps_sq = (torch.dot(stacked, stacked) / stacked.shape[0]).view(1)
                 self._pending.append((self.steps, torch.cat([window.values, steps_sq]), window.sizes))
         self._open = [w for w in self._open if w.to_come > 0]
+
+    def restart_windows(self) -> None:
+        """The batch changed (train.adaptive_batch): the norms of the steps before measure another
+        batch's noise, so the open windows go and the next probe's window starts from the change."""
+        self._recent.clear()
+        self._open = []
 
     def settle(self) -> Trajectory:
         """Fold the readings completed since the last call into the EMAs: one host sync."""

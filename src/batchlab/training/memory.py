@@ -19,8 +19,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from batchlab.config import Config
 from batchlab.training.gns import NoiseScale
 from batchlab.training.gns_probes import FULL_SPLIT_CHUNK
+from batchlab.training.optim import make_optimizer
 from batchlab.training.strategy import Strategy
-from batchlab.training.train import initial_model, make_optimizer
+from batchlab.training.train import initial_model
 
 MIB = 2**20
 _MEASURED = "batchlab.training.memory.measured_step"

@@ -44,6 +44,8 @@ def seeds_train_apart(config: Config) -> str | None:
         model = f"model.factory {config.model.factory}" if config.model.factory else f"model.name {config.model.name}"
         return f"{model}: the stacked seed kernels are the MLP's"
     cfg = config.train
+    if cfg.adaptive_batch:
+        return "train.adaptive_batch: each seed's batch follows its own noise-scale readings"
     if cfg.strategy != "single":  # fsdp on one process still keeps sharded (DCP) checkpoints
         return f"train.strategy {cfg.strategy} with {cfg.world_size()} ranks trains one model per process group"
     if cfg.precision != "fp32":

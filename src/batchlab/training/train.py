@@ -1,10 +1,9 @@
-"""The training loop: fit(...) -> TrainResult, and the optimizer and schedule it steps."""
+"""The training loop: fit(...) -> TrainResult."""
 
 from __future__ import annotations
 
 import copy
 import logging
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from batchlab.config import Config, TrainConfig
 from batchlab.data import Dataset, Split
 from batchlab.model import build_model
 from batchlab.tracking import Tracker
+from batchlab.training.adaptive import Adapting, BatchSchedule
 from batchlab.training.checkpoint import Checkpoint, Trainee, TrainState
 from batchlab.training.epochs import (
     NonFiniteError,
@@ -33,7 +33,9 @@ from batchlab.training.epochs import (
     likely_cause,
     val_curve_points,
 )
-from batchlab.training.gns import NoiseScale
+from batchlab.training.gns import NoiseScale, Trajectory
+from batchlab.training.gns_probes import FULL_SPLIT_MIN_EVERY
+from batchlab.training.optim import make_optimizer, make_schedule, steps_per_epoch
 from batchlab.training.strategy import Strategy
 from batchlab.validate import batch_fits
 
@@ -54,6 +56,13 @@ class TrainResult:
     # train.curve_weights: (step, flat weights) at the val points since this process started (not
     # kept in the checkpoint, whose every save would carry them: a resumed run has the later ones)
     curve_weights: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # train.adaptive_batch: its decisions (step, examples, b_noise, from, to, gain, reason)
+    batch_schedule: list[dict[str, Any]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """train_summary.json's figures of the run."""
+        figures = {"best_epoch": self.best_epoch, "epochs_run": len(self.history), "stopped_early": self.stopped_early}
+        return figures | ({"batch_schedule": self.batch_schedule} if self.batch_schedule else {})
 
 
 def write_curves(result: TrainResult, val_curve_csv: Path, weights_file: Path) -> None:
@@ -71,53 +80,6 @@ def write_curves(result: TrainResult, val_curve_csv: Path, weights_file: Path) -
         save_torch(weights_file, {"steps": list(steps), "weights": torch.stack(weights)})
     else:
         weights_file.unlink(missing_ok=True)
-
-
-def make_optimizer(cfg: TrainConfig, params: Any) -> torch.optim.Optimizer:
-    lr = cfg.lr
-    # fused kernels: ~1.5-2x faster steps on CPU, and they can skip a non-finite step on device
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=True)
-    cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    return cls(params, lr=lr, weight_decay=cfg.weight_decay, fused=True)
-
-
-class ConstantRate:
-    """The schedule of a constant learning rate: stepping it does nothing."""
-
-    def step(self) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        pass
-
-
-Schedule = torch.optim.lr_scheduler.LambdaLR | ConstantRate
-
-
-def make_schedule(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> Schedule:
-    """Warmup + cosine, stepped per optimizer step, or a constant rate."""
-    if cfg.schedule == "constant":
-        return ConstantRate()
-    total = max(1, cfg.epochs * steps_per_epoch)
-    warmup = int(cfg.warmup_epochs * steps_per_epoch)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def steps_per_epoch(n_rows: int, batch_size: int) -> int:
-    # full global batches only: every step sees exactly batch_size rows, so DDP ranks and
-    # accumulation shards stay equal; the remainder changes every epoch with the permutation
-    return n_rows // batch_size
 
 
 def fingerprint(cfg: Config, dataset: Dataset) -> str:
@@ -181,12 +143,16 @@ def fit(
     tc = cfg.train
     tracker = tracker or Tracker()
     n_train = dataset.train.y.shape[0]
-    steps = steps_per_epoch(n_train, tc.batch_size)
+    steps = steps_per_epoch(n_train, tc.batch_size)  # the schedule's epochs, in the starting batch's steps
     saved, trainee, state = _resume_or_start(cfg, dataset, strategy, checkpoint, steps)
     noise = NoiseScale(enabled=tc.gns, population=n_train)
     noise.load_state_dict(state.noise_scale)  # a resumed run continues the EMAs
+    batches = BatchSchedule.from_config(tc, n_train)
+    # adaptive: a probe every half decision period, so each decision reads one taken since the last
+    probe_every = tc.gns_every or (max(FULL_SPLIT_MIN_EVERY, tc.adapt_every_steps // 2) if batches else None)
     train = split_tensors(dataset.train, strategy.device)
-    net = strategy.setup(trainee.model, noise, F.cross_entropy, probe_every=tc.gns_every, train_rows=train)
+    net = strategy.setup(trainee.model, noise, F.cross_entropy, probe_every=probe_every, train_rows=train)
+    adapt = Adapting.start(batches, noise, tracker, strategy.is_main, state, trainee) if batches else None
     x_val, y_val = split_tensors(dataset.val, strategy.device)
     bar = _progress(tc.epochs, state.epoch, strategy.is_main)
     kept: list[tuple[int, torch.Tensor]] = []  # train.curve_weights
@@ -198,16 +164,22 @@ def fit(
             break
         order = epoch_order(tc.seed, epoch, n_train).to(strategy.device)
         torch.manual_seed(dropout_seed(tc.seed, epoch, strategy.rank))
-        losses, norms, scored, seconds = _epoch(tc, epoch, order, net, trainee, strategy, train, (x_val, y_val))
+        examples_before = state.examples
+        val = (x_val, y_val)
+        losses, norms, scored, seconds, path = _epoch(tc, order, net, trainee, strategy, train, val, state, adapt)
         # one host sync per epoch: the step's figures stay on the device until here
         stats = epoch_stats(torch.stack(losses), torch.stack(norms), strategy, state.nonfinite_run)
-        state.val_curve += val_curve_points(scored, noise.settle(), tc.batch_size)
+        examples_at = batches.examples_at if batches else lambda step: step * tc.batch_size
+        state.val_curve += val_curve_points(scored, path.then(noise.settle()), examples_at)
         kept += [(step, weights.cpu()) for step, _, weights in scored if weights is not None]
         state.noise_scale = noise.state_dict()
         check_finite(stats, epoch, tc, dataset, strategy)
         val_logits = predict_logits(trainee.model, x_val, strategy)
         lr = float(trainee.optimizer.param_groups[0]["lr"])
-        row = epoch_row(epoch, stats, val_logits, y_val, steps * tc.batch_size, seconds, lr, strategy, noise)
+        rows = state.examples - examples_before
+        row = epoch_row(epoch, stats, val_logits, y_val, rows, seconds, lr, strategy, noise)
+        if batches is not None:  # history.csv's batch at the epoch's end, and the schedule's state
+            row["batch_size"], state.batch_schedule = float(batches.batch), batches.state_dict()
         if state.record(row, stats.last_nonfinite_run):
             trainee.keep_best()
         if strategy.is_main:
@@ -216,31 +188,36 @@ def fit(
         saved.save(trainee, state)  # every rank: a sharded checkpoint holds each rank's shards
     if bar is not None:
         bar.close()
-    return _result(trainee, state, tc, dataset, strategy, kept)
+    return _result(trainee, state, tc, dataset, strategy, kept, batches)
 
 
 def _epoch(
     tc: TrainConfig,
-    epoch: int,
     order: torch.Tensor,
     net: nn.Module,
     trainee: Trainee,
     strategy: Strategy,
     train: tuple[torch.Tensor, torch.Tensor],
     val: tuple[torch.Tensor, torch.Tensor],
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Scored], float]:
+    state: TrainState,
+    adapt: Adapting | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Scored], float, Trajectory]:
     """One epoch's optimizer steps: the per-micro-batch losses, per-step gradient norms, the val
-    losses scored within it (global step, loss, the weights with train.curve_weights), and its
-    seconds without that scoring."""
-    (x_train, y_train), steps = train, steps_per_epoch(train[1].shape[0], tc.batch_size)
+    losses scored within it (global step, loss, the weights with train.curve_weights), its seconds
+    without that scoring, and the noise scale read at the adaptive batch's decisions within it.
+    Steps take `order`'s rows batch by batch; the rows too few for a whole batch wait for the next
+    epoch's order. `state` counts the steps and examples across epochs and resumes."""
+    x_train, y_train = train
     net.train()
     losses: list[torch.Tensor] = []
     norms: list[torch.Tensor] = []
     scored: list[Scored] = []
+    path = Trajectory([], [])
     scoring_seconds = 0.0  # kept out of samples_per_s, as the end-of-epoch validation is
     started = time.perf_counter()
-    for step in range(steps):
-        for rows in strategy.micro_batches(net, order[step * tc.batch_size : (step + 1) * tc.batch_size]):
+    start, batch = 0, adapt.batches.batch if adapt is not None else tc.batch_size
+    while start + batch <= order.shape[0]:
+        for rows in strategy.micro_batches(net, order[start : start + batch]):
             inputs, targets = x_train[rows], y_train[rows]
             with strategy.autocast():
                 loss = F.cross_entropy(net(inputs), targets)
@@ -248,24 +225,36 @@ def _epoch(
             losses.append(loss.detach())
         norms.append(strategy.step(trainee.optimizer))
         trainee.schedule.step()
-        done = epoch * steps + step + 1  # steps since step 0, across epochs and resumes
-        if tc.eval_every_steps and done % tc.eval_every_steps == 0:
+        start, state.steps, state.examples = start + batch, state.steps + 1, state.examples + batch
+        if tc.eval_every_steps and state.steps % tc.eval_every_steps == 0:
             scoring = time.perf_counter()
             weights = parameters_to_vector(trainee.model.parameters()).detach().clone() if tc.curve_weights else None
-            scored.append((done, F.cross_entropy(predict_logits(trainee.model, val[0], strategy), val[1]), weights))
+            val_loss = F.cross_entropy(predict_logits(trainee.model, val[0], strategy), val[1])
+            scored.append((state.steps, val_loss, weights))
             net.train()  # predict_logits left the model in eval mode
             scoring_seconds += time.perf_counter() - scoring
-    return losses, norms, scored, time.perf_counter() - started - scoring_seconds
+        if adapt is not None and adapt.batches.due(state.steps):
+            path = path.then(adapt.noise.settle())  # a host sync, once per decision
+            batch = adapt.decide(state.steps, state.examples, trainee)
+    return losses, norms, scored, time.perf_counter() - started - scoring_seconds, path
 
 
 def _result(
-    trainee: Trainee, state: TrainState, tc: TrainConfig, dataset: Dataset, strategy: Strategy, kept: list[Any]
+    trainee: Trainee,
+    state: TrainState,
+    tc: TrainConfig,
+    dataset: Dataset,
+    strategy: Strategy,
+    kept: list[Any],
+    batches: BatchSchedule | None,
 ) -> TrainResult:
     """The best epoch's weights, unwrapped, with the history; an error when no epoch was finite."""
     if state.best_epoch < 0:  # the weights were never better than "no model": nothing to return
         raise NonFiniteError(
             f"validation loss was never finite in {state.epoch} epochs; {likely_cause(dataset, strategy)}"
         )
+    if batches is not None and strategy.is_main:
+        log.info("adaptive batch schedule: %s", batches.summary())
     trainee.model.load_state_dict(trainee.best_weights)
     model = strategy.unwrap(trainee.model).eval()
     return TrainResult(
@@ -275,6 +264,7 @@ def _result(
         stopped_early=len(state.history) < tc.epochs,
         val_curve=state.val_curve,
         curve_weights=kept,
+        batch_schedule=batches.decisions if batches is not None else [],
     )
 
 
