@@ -191,3 +191,54 @@ def test_ddp_takes_the_single_process_schedule_to_the_same_weights(repo_copy: Pa
     assert sum(d["to"] != d["from"] for d in schedule) >= 2, schedule
     assert max((single[k] - ddp[k]).abs().max().item() for k in single) < 1e-5
     assert out.stderr.count("adaptive batch schedule: 8 -> 16") == 1  # rank 0 alone reports it
+
+
+def test_the_studys_adaptive_row_is_scipys_paired_test_of_the_result_rows(tmp_path: Path) -> None:
+    """sweep.adaptive end to end in one process: the report's paired differences and p-values are
+    recomputed here from the result.json rows (scipy's ttest_rel and t interval), and the verdict's
+    "measurable" marks are Holm's over all of them."""
+    from scipy import stats
+
+    from batchlab import stages
+    from batchlab.study import analysis
+    from batchlab.sweep.run import run_sweep
+
+    cfg = tiny_config(
+        sweep={"batch_sizes": [8, 32, 128], "seeds": [0, 1, 2], "epochs": 6, "adaptive": True},
+        train={"adapt_every_steps": 10},
+    )
+    stages.generate(cfg, stages.Paths(tmp_path))
+    run_sweep(cfg, stages.Paths(tmp_path))
+    rows = [json.loads(p.read_text()) for p in sorted((tmp_path / "sweep/experiments").glob("*/result.json"))]
+    adaptive = [r for r in rows if r["adaptive"]]
+    assert [r["name"] for r in adaptive] == ["adaptive-seed0", "adaptive-seed1", "adaptive-seed2"]
+    assert all(any(d["to"] > d["from"] for d in r["batch_schedule"]) for r in adaptive)  # each one grew
+    study = analysis.analyse(rows, 90, None, None)
+    assert study.adaptive is not None and [r["batch_size"] for r in study.rows] == [8, 32, 128]
+    p_values = []
+    for batch in (8, 32, 128):
+        fixed = {r["seed"]: r for r in study.results if r["batch_size"] == batch}
+        for figure in ("test_f1_macro", "seconds_to_target", "steps_to_target"):
+            a = [r[figure] for r in sorted(study.adaptive.results, key=lambda r: r["seed"])]
+            f = [fixed[seed][figure] for seed in (0, 1, 2)]
+            diffs = [x - y for x, y in zip(a, f, strict=True)]
+            got = study.adaptive.against(batch, figure)
+            assert got.diff_mean == pytest.approx(sum(diffs) / 3, rel=1e-12, abs=1e-12)
+            half = stats.t.ppf(0.975, 2) * stats.tstd(diffs) / math.sqrt(3)
+            assert got.diff_ci95 == pytest.approx(half, rel=1e-9)
+            if len(set(diffs)) > 1:
+                assert got.p_value == pytest.approx(stats.ttest_rel(a, f).pvalue, rel=1e-9)
+        p_values += [c.p_value for c in study.adaptive.comparisons if c.batch_size == batch]
+    # Holm over every comparison (scipy's false_discovery_control has no Holm: statsmodels' rule by hand)
+    ordered = sorted(p for p in p_values if math.isfinite(p))
+    m, cut = len(p_values), 0
+    while cut < len(ordered) and ordered[cut] <= 0.05 / (m - cut):
+        cut += 1
+    assert sum(c.measurable for c in study.adaptive.comparisons) == cut
+    # its seconds to the target: its own epochs' seconds, up to the examples that reached it
+    for r in study.adaptive.results:
+        i = next(k for k, e in enumerate(r["epoch_examples"]) if e >= r["examples_to_target"])
+        assert r["seconds_to_target"] <= r["epoch_train_seconds"][i]
+        assert i == 0 or r["seconds_to_target"] > r["epoch_train_seconds"][i - 1]
+    report = (tmp_path / "reports/sweep/summary.md").read_text()
+    assert "## Adaptive batch size" in report and f"all {len(p_values)} comparisons" in report

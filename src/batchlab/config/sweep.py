@@ -39,6 +39,8 @@ class SweepConfig(Section):
     exact_noise_rows: Annotated[int, Field(ge=0)] = Field(
         4096, description="exact noise scale at the target when the train split has at most this many rows (0: never)"
     )
+    adaptive: bool = Field(False, description="add an adaptive row: train.adaptive_batch from the smallest "
+        "batch size to the largest, the same seeds, data, epochs and target, compared paired by seed")  # fmt: skip
     executor: Literal["local", "dask"] = Field(
         "local", description="local: sweep.parallel processes here; dask: one Prefect task per experiment on a cluster"
     )

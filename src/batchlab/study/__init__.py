@@ -3,6 +3,7 @@
 analysis  lr per batch size, steps to target, the table rows, the headline figures
 critical  the critical batch size (the S/E hyperbola fit) and its interval
 verdict   which batch size, and why: paired t-tests by seed, Holm-corrected over every pair
+adaptive  sweep.adaptive's row against every fixed batch size, paired by seed, Holm-corrected
 report    summary.md, summary.csv, curves.csv
 plots     the study's PNGs
 memory_fit  the largest batch within sweep.memory_budget_mb, from the measured step memory

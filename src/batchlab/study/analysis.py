@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchlab.study import critical
+from batchlab.study.adaptive import AdaptiveStudy, compare, seconds_at
 from batchlab.study.memory_fit import largest_batch_within
 from batchlab.study.verdict import Verdict, decide, mean_ci
 
@@ -62,14 +63,17 @@ def reach(result: dict[str, Any], target: float) -> dict[str, Any]:
             **result,
             **dict.fromkeys(("steps_to_target", "examples_to_target", "seconds_to_target", "gns_b_simple_at_target")),
         }
-    examples = step * result["batch_size"]
     at = result["curve_steps"].index(step)
+    # an adaptive run's batch changes: its val curve counts the examples (older rows have no column)
+    examples = result["curve_examples"][at] if result.get("curve_examples") else step * result["batch_size"]
+    # at the median throughput (scoring the val split along the way is not training time); an
+    # adaptive run's throughput moves with its batch: its own epochs' seconds (study/adaptive.py)
+    seconds = seconds_at(result, examples) if result.get("adaptive") else examples / result["samples_per_s"]
     return {
         **result,
         "steps_to_target": step,
         "examples_to_target": examples,
-        # at the median throughput: scoring the val split along the way is not training time
-        "seconds_to_target": examples / result["samples_per_s"],
+        "seconds_to_target": seconds,
         "gns_b_simple_at_target": result["curve_b_simple"][at],
     }
 
@@ -129,6 +133,7 @@ class Study:
     # yet, or an estimate of |G|² at or below zero): left out of b_simple, and counted
     b_simple_unread: int = 0
     truth: NoiseTruth = NoiseTruth()
+    adaptive: AdaptiveStudy | None = None  # sweep.adaptive's row, against every fixed batch size
 
     def figures(self) -> dict[str, float | int]:
         """The headline numbers: `dvc metrics show`, the parent run's metrics."""
@@ -161,6 +166,10 @@ class Study:
                 out["b_crit_over_b_simple_exact"] = self.fit.b_crit / self.truth.b_simple
         if self.budget_batch is not None:
             out["largest_batch_within_budget"] = self.budget_batch
+        if self.adaptive is not None:
+            for figure in ("seconds_to_target", "test_f1_macro"):
+                if math.isfinite(mean := self.adaptive.figures[figure][0]):
+                    out[f"adaptive_{figure}"] = mean
         return out
 
 
@@ -178,7 +187,8 @@ def target_of(kept: list[dict[str, Any]], target_val_loss: float | None) -> tupl
 def analyse(
     results: list[dict[str, Any]], n_test: int, target_val_loss: float | None, memory_budget_mb: float | None
 ) -> Study:
-    kept, lr_choice = pick_lrs(results)
+    adaptive = [r for r in results if r.get("adaptive")]
+    kept, lr_choice = pick_lrs([r for r in results if not r.get("adaptive")])
     target, rule = target_of(kept, target_val_loss)
     kept = [reach(r, target) for r in kept]
     rows = aggregate(kept)
@@ -205,7 +215,10 @@ def analyse(
         points = [(row["batch_size"], row["step_memory_mib_mean"]) for row in rows]
         budget_batch = largest_batch_within(memory_budget_mb, points)
     unread = len(readings) - len(at_target)
-    return Study(kept, rows, lr_choice, target, rule, fit, b_simple, verdict, n_test, budget_batch, unread, truth)
+    against = compare([reach(r, target) for r in adaptive], kept) if adaptive else None
+    return Study(
+        kept, rows, lr_choice, target, rule, fit, b_simple, verdict, n_test, budget_batch, unread, truth, against
+    )
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,11 @@ def steps_vs_examples(study: Study, folder: Path) -> None:
             0.97, 0.1, "diminishing returns (B > B_crit): S ≈ S_min", transform=ax.transAxes, fontsize=8, ha="right"
         )
         ax.legend(fontsize=7, loc="upper right", bbox_to_anchor=(1.0, 0.88))
+    adapted = [r for r in (study.adaptive.results if study.adaptive else []) if r["steps_to_target"] is not None]
+    if adapted:  # sweep.adaptive: each seed's point, where no fixed batch size sits
+        ax.plot([r["examples_to_target"] for r in adapted], [r["steps_to_target"] for r in adapted], "D",
+                color="C3", ms=5, label="adaptive (each seed)")  # fmt: skip
+        ax.legend(fontsize=7, loc="upper right", bbox_to_anchor=(1.0, 0.88))
     if not done:
         ax.text(0.5, 0.5, "no experiment reached the target", transform=ax.transAxes, ha="center")
     ax.set(
@@ -142,6 +147,7 @@ def noise_scale_curves(study: Study, folder: Path) -> None:
         if reached:
             ax.axvline(sum(reached) / len(reached), color=f"C{i % 10}", lw=0.6, ls=":")
         drawn = True
+    drawn = _adaptive_schedule(ax, study) or drawn
     if drawn:
         from matplotlib.ticker import NullFormatter
 
@@ -154,6 +160,25 @@ def noise_scale_curves(study: Study, folder: Path) -> None:
            title="Gradient noise scale over training (dotted: the target reached)")  # fmt: skip
     fig.tight_layout()
     _save(fig, folder / "noise_scale_curves.png")
+
+
+def _adaptive_schedule(ax: Any, study: Study) -> bool:
+    """sweep.adaptive: each seed's batch over training (a step line) and the readings it decided
+    on, beside the fixed sizes' noise scale: both are examples per step."""
+    if study.adaptive is None:
+        return False
+    for i, r in enumerate(study.adaptive.results):
+        decisions = r.get("batch_schedule") or []
+        if not decisions:
+            continue
+        label = "adaptive: batch" if i == 0 else None
+        examples = [decisions[0]["examples"]] + [d["examples"] for d in decisions]  # from its first decision
+        batches = [decisions[0]["from"]] + [d["to"] for d in decisions]
+        ax.step(examples, batches, where="post", color="black", lw=1.2, label=label)
+        read = [(d["examples"], d["b_noise"]) for d in decisions if d["b_noise"] == d["b_noise"] and d["b_noise"] > 0]
+        ax.plot([e for e, _ in read], [b for _, b in read], "x", color="black", ms=3,
+                label="adaptive: B_simple it read" if i == 0 else None)  # fmt: skip
+    return True
 
 
 def draw(study: Study, folder: Path) -> None:

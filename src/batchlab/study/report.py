@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchlab import atomic
-from batchlab.study import critical
+from batchlab.study import adaptive, critical
 
 if TYPE_CHECKING:
     from batchlab.study.analysis import Study
@@ -180,6 +180,8 @@ def markdown(study: Study, context: dict[str, Any]) -> str:
         critical_text(study, context["lr_scaling"], context["base_batch"], context["optimizer"], context["epochs"])
         + "\n",
     ]
+    if study.adaptive is not None:
+        parts += ["## Adaptive batch size\n", adaptive_text(study) + "\n"]
     extra = " ".join(t for t in (lr_text(study), budget_text(study, context["memory_budget_mb"])) if t)
     if extra:
         parts.append(extra + "\n")
@@ -191,6 +193,32 @@ def markdown(study: Study, context: dict[str, Any]) -> str:
         "peak RSS is the whole process, set mostly by the torch runtime.\n"
     )
     return "\n".join(parts)
+
+
+def adaptive_text(study: Study) -> str:
+    """sweep.adaptive: its verdict, then each fixed batch size's paired differences (adaptive − fixed)."""
+    assert study.adaptive is not None
+    reached = {r["batch_size"]: r["seconds_to_target_mean"] for r in study.rows if r["reached"] == r["seeds"]}
+    fastest = min(reached, key=lambda b: reached[b]) if reached else None
+    lines = [
+        adaptive.verdict_text(study.adaptive, fastest, study.verdict.best),
+        "",
+        "Adaptive − fixed, paired by seed (mean ± 95% CI; * measurable under Holm's correction over all "
+        f"{len(study.adaptive.comparisons)} comparisons):",
+        "",
+        "| fixed batch | Δ steps to target | Δ examples to target | Δ seconds to target | Δ test F1 |",
+        "|---|---|---|---|---|",
+    ]
+    digits = {"steps_to_target": 0, "examples_to_target": 0, "seconds_to_target": 2, "test_f1_macro": 4}
+    for batch in sorted(study.lr_choice):
+        cells = []
+        for figure in ("steps_to_target", "examples_to_target", "seconds_to_target", "test_f1_macro"):
+            c = study.adaptive.against(batch, figure)
+            half = f" ± {c.diff_ci95:.{digits[figure]}f}" if math.isfinite(c.diff_ci95) else ""
+            text = f"{c.diff_mean:+.{digits[figure]}f}{half}{' *' if c.measurable else ''}"
+            cells.append(text if math.isfinite(c.diff_mean) else "—")
+        lines.append(f"| {batch} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _shared(study: Study) -> str:

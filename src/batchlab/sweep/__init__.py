@@ -1,7 +1,8 @@
 """The batch-size sweep, from one experiment up to the whole study (imports point down this list).
 
 truth       the exact noise scale at the target, from the weights experiments keep
-experiment  one experiment: its config, folder, key, training, scoring and result row
+scoring     an experiment's result row: test scores, speed, memory, val curve, batch schedule
+experiment  one experiment: its config, folder, key and training (sweep.adaptive's too)
 probes      what an experiment measures besides training: solo speed, step memory
 state       a sweep's resume state (state.json)
 lock        one sweep at a time per folder

@@ -12,19 +12,18 @@ import functools
 import hashlib
 import json
 import logging
-import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from batchlab import atomic, data, evaluate, stages
+from batchlab import atomic, data, stages
 from batchlab.config import Config, parse_config
 from batchlab.seeds.vectorized import trains_together
-from batchlab.sweep import probes, truth
-from batchlab.tracking import Tracker, children
+from batchlab.sweep import probes, scoring, truth
+from batchlab.tracking import children
 from batchlab.training import threads
 from batchlab.training.optim import scaled_lr, steps_per_epoch
 from batchlab.validate import batches_fit
@@ -46,11 +45,14 @@ class Experiment:
     # probe the noise scale once an epoch: the study reads it at the target, which the cost model's
     # period (up to 556 steps) passes in most experiments; it costs ~6 s of the default study's training
     gns_every: int | None = None
+    # sweep.adaptive: train.adaptive_batch from batch_size (the smallest) to max_batch_size (the largest)
+    adaptive: bool = False
+    max_batch_size: int | None = None
 
     @property
     def name(self) -> str:
         lr = "" if self.lr_multiplier == 1.0 else f"-lrx{self.lr_multiplier:g}"
-        return f"bs{self.batch_size}{lr}-seed{self.seed}"
+        return f"{'adaptive' if self.adaptive else f'bs{self.batch_size}'}{lr}-seed{self.seed}"
 
 
 def plan(cfg: Config, n_train: int) -> list[Experiment]:
@@ -72,7 +74,19 @@ def plan(cfg: Config, n_train: int) -> list[Experiment]:
         for b in sc.batch_sizes
         for m in sc.lr_multipliers
         for seed in sc.seeds
-    ]
+    ] + (adaptive_plan(cfg, n_train) if sc.adaptive else [])
+
+
+def adaptive_plan(cfg: Config, n_train: int) -> list[Experiment]:
+    """sweep.adaptive's experiments, one per seed: from the smallest batch size (at its scaled lr)
+    up to the largest, scored as often as the largest batch's experiments are (its steps grow)."""
+    sc = cfg.sweep
+    low, high = min(sc.batch_sizes), max(sc.batch_sizes)
+    lr = scaled_lr(cfg.train.lr, cfg.train.batch_size, low, sc.lr_scaling)
+    every = max(1, steps_per_epoch(n_train, high) // sc.evals_per_epoch)
+    epochs = sc.epochs or cfg.train.epochs
+    return [Experiment(low, seed, lr, epochs, eval_every_steps=every, adaptive=True, max_batch_size=high)
+            for seed in sc.seeds]  # fmt: skip
 
 
 def experiment_config(cfg: Config, exp: Experiment) -> Config:
@@ -85,6 +99,9 @@ def experiment_config(cfg: Config, exp: Experiment) -> Config:
         curve_weights=exp.curve_weights,
         gns_every=exp.gns_every,
     )
+    if exp.adaptive:  # its probe follows train.adapt_every_steps, its lr the sweep's rule
+        rule = cfg.sweep.lr_scaling
+        raw["train"].update(adaptive_batch=True, max_batch_size=exp.max_batch_size, adapt_lr_scaling=rule)
     return parse_config(raw)
 
 
@@ -114,34 +131,14 @@ def key_of(exp_cfg: Config, data_hash: str) -> str:
     return f"{exp_cfg.section_hash('model', 'train')}-{data_hash}-{code_hash()}{user}"
 
 
-def _floats(rows: list[dict[str, float]], key: str) -> list[float]:
-    return [float(row[key]) if key in row else math.nan for row in rows]
-
-
-# a child run's own figures, under keys of their own (`summary.*`): logged under the per-epoch
-# names, the runs table would show them as the last epoch's value
-SUMMARY = {
-    "summary.test_f1_macro": "test_f1_macro",
-    "summary.test_accuracy": "test_accuracy",
-    "summary.samples_per_s_median": "samples_per_s",
-    "summary.epoch_seconds_median": "epoch_seconds",
-    "summary.train_seconds": "train_seconds",
-    "summary.step_memory_mib": "step_memory_mib",
-    "summary.peak_rss_mib": "peak_rss_mib",
-    "summary.grad_norm_mean": "grad_norm_mean",
-    "summary.gns_b_simple": "gns_b_simple",
-}
-
-
 def experiment_paths(paths: stages.Paths, exp: Experiment) -> stages.Paths:
     """The experiment's own folder for models/, reports/, its checkpoint and result.json."""
     return stages.Paths(root=paths.root, out=paths.outputs / "sweep" / "experiments" / exp.name)
 
 
-# the experiment's fingerprint on its child run, and the result row the run stores before it ends
-# FINISHED: a rerun of a finished experiment (Dask runs a task at least once) returns that row
+# the experiment's fingerprint on its child run (its result row: scoring.RESULT_ARTIFACT)
 KEY_TAG = "sweep.key"
-RESULT_ARTIFACT = "sweep/result.json"
+RESULT_ARTIFACT = scoring.RESULT_ARTIFACT
 
 
 def experiment_tags(exp: Experiment, key: str) -> dict[str, str]:
@@ -149,6 +146,7 @@ def experiment_tags(exp: Experiment, key: str) -> dict[str, str]:
         "sweep.batch_size": str(exp.batch_size),
         "sweep.seed": str(exp.seed),
         "sweep.lr_multiplier": f"{exp.lr_multiplier:g}",
+        **({"sweep.adaptive": "true"} if exp.adaptive else {}),
         KEY_TAG: key,
     }
 
@@ -209,7 +207,7 @@ def train_one(
     folder = experiment_paths(paths, exp)
     with stages.training(exp_cfg, folder, dataset, parent_run_id, f"sweep-{exp.name}", tags) as (tracker, trained):
         measured = measure(cfg, exp_cfg, dataset, trained.history)
-        result = score(exp, key, trained, dataset, measured, time.perf_counter() - started, tracker)
+        result = scoring.score(exp, key, trained, dataset, measured, time.perf_counter() - started, tracker)
     return keep(cfg, paths, exp, result)
 
 
@@ -219,54 +217,11 @@ def measure(cfg: Config, exp_cfg: Config, dataset: data.Dataset, history: list[d
     its batch size and lr (probes.solo_speed: a seed's share of its group's time would flatter
     small batches). The step memory, with and without the noise probe, is measured once per batch
     size (probes.step_memory)."""
-    if trains_together(cfg):
+    if trains_together(cfg) and not exp_cfg.train.adaptive_batch:  # an adaptive run trains alone
         speed = probes.solo_speed(exp_cfg, dataset)
     else:
         speed = {k: statistics.median(h[k] for h in history) for k in ("samples_per_s", "epoch_seconds")}
     return {**speed, **probes.step_memory(exp_cfg, dataset.input_shape, dataset.n_classes, dataset.vocab)}
-
-
-def score(
-    exp: Experiment,
-    key: str,
-    trained: stages.Trained,
-    dataset: data.Dataset,
-    measured: dict[str, float],
-    seconds: float,
-    tracker: Tracker,
-) -> dict[str, Any]:
-    """Test a trained experiment and record its summary and result row in its run, still open;
-    returns the row (`keep` writes it once the run has ended).
-    `seconds`: its training's wall time so far (what is not train_seconds is overhead)."""
-    started = time.perf_counter() - seconds
-    history, curve = trained.history, trained.val_curve
-    test, _, _ = evaluate.score_model(trained.model, dataset.class_names, dataset)
-    train_seconds = sum(h["epoch_seconds"] for h in history)
-    result = {
-        **asdict(exp),
-        "name": exp.name,
-        "fingerprint": key,
-        "run_id": trained.info.get("run_id"),
-        "test_accuracy": test["accuracy"],
-        "test_f1_macro": test["f1_macro"],
-        "samples_per_s": measured["samples_per_s"],
-        "epoch_seconds": measured["epoch_seconds"],
-        "train_seconds": train_seconds,
-        "step_memory_mib": measured["step_memory_mib"],
-        "step_memory_plain_mib": measured["step_memory_plain_mib"],
-        "peak_rss_mib": max(h["peak_memory_mb"] for h in history),
-        "grad_norm_mean": statistics.fmean(h["grad_norm_mean"] for h in history),
-        "gns_b_simple": history[-1].get("gns.b_simple", math.nan),
-        "curve_steps": [int(v) for v in _floats(curve, "step")],
-        "curve_val_loss": _floats(curve, "val_loss"),
-        "curve_b_simple": _floats(curve, "gns.b_simple"),
-    }
-    result["overhead_seconds"] = time.perf_counter() - started - train_seconds
-    result["finished_at"] = time.time()  # what a killed sweep's next attempt counts its wall time up to
-    tracker.log_metrics({key: float(result[k]) for key, k in SUMMARY.items() if math.isfinite(result[k])})
-    tracker.log_dict(result, RESULT_ARTIFACT)
-    log.info("sweep: %s f1 %.4f, %.0f samples/s", exp.name, result["test_f1_macro"], result["samples_per_s"])
-    return result
 
 
 def read_result(path: Path, expected: str) -> dict[str, Any] | None:

@@ -20,7 +20,7 @@ from batchlab import data, stages
 from batchlab.config import Config
 from batchlab.seeds import vectorized
 from batchlab.seeds.vectorized import trains_together
-from batchlab.sweep import experiment
+from batchlab.sweep import experiment, scoring
 from batchlab.sweep.experiment import Experiment
 from batchlab.training import threads
 from batchlab.training.strategy import session
@@ -40,8 +40,9 @@ def groups(cfg: Config, todo: list[Experiment]) -> list[list[Experiment]]:
         return [[exp] for exp in todo]
     together: dict[tuple[int, float], list[Experiment]] = {}
     for exp in todo:
-        together.setdefault((exp.batch_size, exp.lr_multiplier), []).append(exp)
-    return list(together.values())
+        if not exp.adaptive:  # each adaptive seed's batch follows its own readings: it trains alone
+            together.setdefault((exp.batch_size, exp.lr_multiplier), []).append(exp)
+    return list(together.values()) + [[exp] for exp in todo if exp.adaptive]
 
 
 def run_group(cfg: Config, exps: list[Experiment], paths: stages.Paths, parent_run_id: str | None) -> dict[str, Any]:
@@ -112,7 +113,7 @@ def _train_together(
             trained = stages.log_trained(tracker, folder, dataset, result)
             measured = experiment.measure(cfg, exp_cfg, dataset, trained.history)
             seconds = share + time.perf_counter() - begun
-            scored = experiment.score(exp, key, trained, dataset, measured, seconds, tracker)
+            scored = scoring.score(exp, key, trained, dataset, measured, seconds, tracker)
         results[exp.name] = experiment.keep(cfg, paths, exp, scored)
     return results
 

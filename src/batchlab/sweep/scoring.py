@@ -1,0 +1,100 @@
+"""An experiment's result row: its test scores, speed, memory, val curve and (adaptive) batch
+schedule, recorded in its child run as `summary.*` metrics and the row itself."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import statistics
+import time
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from batchlab import data, evaluate, stages
+from batchlab.tracking import Tracker
+
+if TYPE_CHECKING:
+    from batchlab.sweep.experiment import Experiment
+
+log = logging.getLogger(__name__)
+
+# the experiment's result row, stored in its run before it ends FINISHED: a rerun of a finished
+# experiment (Dask runs a task at least once) returns that row
+RESULT_ARTIFACT = "sweep/result.json"
+
+
+def _epoch_totals(history: list[dict[str, float]]) -> dict[str, list[float]]:
+    """Examples and training seconds since the start at each epoch's end (an epoch's rows are its
+    samples/s x its seconds): an adaptive run's seconds to the target, whose throughput moves with
+    its batch."""
+    rows = (round(h["samples_per_s"] * h["epoch_seconds"]) for h in history)
+    return {"epoch_examples": list(itertools.accumulate(rows)),
+            "epoch_train_seconds": list(itertools.accumulate(h["epoch_seconds"] for h in history))}  # fmt: skip
+
+
+def _floats(rows: list[dict[str, float]], key: str) -> list[float]:
+    return [float(row[key]) if key in row else math.nan for row in rows]
+
+
+# a child run's own figures, under keys of their own (`summary.*`): logged under the per-epoch
+# names, the runs table would show them as the last epoch's value
+SUMMARY = {
+    "summary.test_f1_macro": "test_f1_macro",
+    "summary.test_accuracy": "test_accuracy",
+    "summary.samples_per_s_median": "samples_per_s",
+    "summary.epoch_seconds_median": "epoch_seconds",
+    "summary.train_seconds": "train_seconds",
+    "summary.step_memory_mib": "step_memory_mib",
+    "summary.peak_rss_mib": "peak_rss_mib",
+    "summary.grad_norm_mean": "grad_norm_mean",
+    "summary.gns_b_simple": "gns_b_simple",
+}
+
+
+def score(
+    exp: Experiment,
+    key: str,
+    trained: stages.Trained,
+    dataset: data.Dataset,
+    measured: dict[str, float],
+    seconds: float,
+    tracker: Tracker,
+) -> dict[str, Any]:
+    """Test a trained experiment and record its summary and result row in its run, still open;
+    returns the row (`keep` writes it once the run has ended).
+    `seconds`: its training's wall time so far (what is not train_seconds is overhead)."""
+    started = time.perf_counter() - seconds
+    history, curve = trained.history, trained.val_curve
+    test, _, _ = evaluate.score_model(trained.model, dataset.class_names, dataset)
+    train_seconds = sum(h["epoch_seconds"] for h in history)
+    result = {
+        **asdict(exp),
+        "name": exp.name,
+        "fingerprint": key,
+        "run_id": trained.info.get("run_id"),
+        "test_accuracy": test["accuracy"],
+        "test_f1_macro": test["f1_macro"],
+        "samples_per_s": measured["samples_per_s"],
+        "epoch_seconds": measured["epoch_seconds"],
+        "train_seconds": train_seconds,
+        "step_memory_mib": measured["step_memory_mib"],
+        "step_memory_plain_mib": measured["step_memory_plain_mib"],
+        "peak_rss_mib": max(h["peak_memory_mb"] for h in history),
+        "grad_norm_mean": statistics.fmean(h["grad_norm_mean"] for h in history),
+        "gns_b_simple": history[-1].get("gns.b_simple", math.nan),
+        "curve_steps": [int(v) for v in _floats(curve, "step")],
+        "curve_examples": [int(v) for v in _floats(curve, "examples")],
+        # cumulative examples and training seconds at each epoch's end: an adaptive run's seconds to
+        # the target (its throughput changes with its batch), and its batch at each
+        **_epoch_totals(history),
+        "batch_schedule": trained.info.get("batch_schedule", []),
+        "curve_val_loss": _floats(curve, "val_loss"),
+        "curve_b_simple": _floats(curve, "gns.b_simple"),
+    }
+    result["overhead_seconds"] = time.perf_counter() - started - train_seconds
+    result["finished_at"] = time.time()  # what a killed sweep's next attempt counts its wall time up to
+    tracker.log_metrics({key: float(result[k]) for key, k in SUMMARY.items() if math.isfinite(result[k])})
+    tracker.log_dict(result, RESULT_ARTIFACT)
+    log.info("sweep: %s f1 %.4f, %.0f samples/s", exp.name, result["test_f1_macro"], result["samples_per_s"])
+    return result
