@@ -24,7 +24,20 @@ import torch
 from batchlab import atomic
 from common import REPO, markdown, progress
 
-BENCHES = ("loop", "gns", "seeds", "threads", "startup", "tracking", "ddp", "fsdp", "sweep", "dask", "repro")
+BENCHES = (
+    "loop",
+    "gns",
+    "seeds",
+    "threads",
+    "startup",
+    "tracking",
+    "ddp",
+    "fsdp",
+    "sweep",
+    "adaptive",
+    "dask",
+    "repro",
+)
 RESULTS = REPO / "benchmarks" / "results.json"
 PAGE = REPO / "docs" / "benchmarks.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"

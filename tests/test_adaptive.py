@@ -155,6 +155,7 @@ def test_an_interrupted_adaptive_run_resumes_to_the_uninterrupted_weights(
         ("max_batch_size", 16, "train.max_batch_size (16) is below train.batch_size (32)"),
         ("adapt_every_steps", 0, "train.adapt_every_steps: Input should be greater than 0"),
         ("gns", False, "train.adaptive_batch reads the measured noise scale: set train.gns: true"),
+        ("strategy", "fsdp", "train.adaptive_batch needs the noise probe, which FSDP has not: use single or ddp"),
     ],
 )
 def test_bad_adaptive_keys_are_one_line_naming_the_key(key: str, value: object, message: str) -> None:

@@ -7,10 +7,11 @@ t-test's p-value. A difference is "measurable" when Holm's step-down correction 
 these comparisons (4 figures x the fixed batch sizes) rejects it at 5% family-wise error, the
 study's control for picking among many comparisons (verdict.py).
 
-Its seconds to the target are its own epochs' training seconds up to the step that reached it
-(interpolated within that epoch): its throughput changes with its batch, so the fixed rows' rule
-(examples / the median throughput) has no one throughput to use. A slow epoch of a busy machine
-counts against it, where the fixed rows' median leaves it out.
+Its seconds to the target are its own training seconds up to the step that reached it
+(interpolated within that epoch), each epoch's counted at the median throughput of its epochs at
+the same batch (sweep/scoring.py): the fixed rows' rule (examples / their median throughput) per
+stretch of its schedule, so a slow epoch of a busy machine moves neither much. They include what
+adapting costs: the noise probe it reads before each decision.
 """
 
 from __future__ import annotations

@@ -25,12 +25,19 @@ RESULT_ARTIFACT = "sweep/result.json"
 
 
 def _epoch_totals(history: list[dict[str, float]]) -> dict[str, list[float]]:
-    """Examples and training seconds since the start at each epoch's end (an epoch's rows are its
-    samples/s x its seconds): an adaptive run's seconds to the target, whose throughput moves with
-    its batch."""
-    rows = (round(h["samples_per_s"] * h["epoch_seconds"]) for h in history)
+    """Examples and training seconds since the start at each epoch's end: an adaptive run's seconds
+    to the target, whose throughput moves with its batch. An epoch's rows are its samples/s x its
+    seconds; its seconds are counted at the median samples/s of the epochs that ended at its batch,
+    so one epoch slowed by a busy machine moves them as little as the fixed rows' median."""
+    rows = [round(h["samples_per_s"] * h["epoch_seconds"]) for h in history]
+    batch = [h.get("batch_size", 0.0) for h in history]  # a fixed batch's history has no column: one group
+    speeds: dict[float, list[float]] = {}
+    for b, h in zip(batch, history, strict=True):
+        speeds.setdefault(b, []).append(h["samples_per_s"])
+    typical = {b: statistics.median(v) for b, v in speeds.items()}
+    seconds = [r / typical[b] for r, b in zip(rows, batch, strict=True)]
     return {"epoch_examples": list(itertools.accumulate(rows)),
-            "epoch_train_seconds": list(itertools.accumulate(h["epoch_seconds"] for h in history))}  # fmt: skip
+            "epoch_train_seconds": list(itertools.accumulate(seconds))}  # fmt: skip
 
 
 def _floats(rows: list[dict[str, float]], key: str) -> list[float]:

@@ -31,6 +31,7 @@ from batchlab.tracking import Tracker
 from batchlab.training.checkpoint import Trainee, TrainState
 from batchlab.training.gns import NoiseScale
 from batchlab.training.optim import scaled_lr
+from batchlab.training.strategy import Strategy
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,11 @@ class BatchSchedule:
         return cls(tc.batch_size, cap, tc.adapt_every_steps, tc.adapt_threshold, divisor, tc.adapt_lr_scaling)
 
     def due(self, step: int) -> bool:
-        return step % self.every == 0
+        """A decision after this step: every `every` steps, until the batch is at its cap."""
+        return step % self.every == 0 and not self.at_cap()
+
+    def at_cap(self) -> bool:
+        return GROWTH * self.batch > self.cap
 
     def decide(self, step: int, examples: int, b_noise: float) -> float | None:
         """The decision after `step` optimizer steps (`examples` seen) on the reading `b_noise`:
@@ -135,22 +140,39 @@ class Adapting:
     batches: BatchSchedule
     noise: NoiseScale
     tracker: Tracker
-    is_main: bool
+    strategy: Strategy
+    paced: bool = True  # the probe's period is the schedule's (train.gns_every unset)
+
+    @property
+    def is_main(self) -> bool:
+        return self.strategy.is_main
 
     @classmethod
     def start(
-        cls, batches: BatchSchedule, noise: NoiseScale, tracker: Tracker, is_main: bool, state: TrainState,
+        cls, batches: BatchSchedule, noise: NoiseScale, tracker: Tracker, strategy: Strategy, state: TrainState,
         trainee: Trainee,
     ) -> Adapting:  # fmt: skip
-        """The schedule where the checkpoint left it (its lr is the optimizer's own state)."""
-        if not noise.enabled:  # the strategy found no noise probe for this model (said why above)
+        """The schedule where the checkpoint left it (its lr is the optimizer's own state). The
+        noise probe measures once before each decision (train.gns_every, if set, wins), until the
+        batch reaches its cap: from there nothing is left to decide and the probe keeps to its cost."""
+        if not noise.enabled or strategy.probe is None:  # no noise probe for this model (said why above)
             raise ConfigError("train.adaptive_batch reads the noise scale, which is not measured for this model "
                               "(the line above says why): set train.adaptive_batch: false")  # fmt: skip
         batches.load_state_dict(state.batch_schedule)
-        adapting = cls(batches, noise, tracker, is_main)
-        if is_main and not state.steps:
+        adapting = cls(batches, noise, tracker, strategy, paced=strategy.probe.every is None)
+        adapting._pace_the_probe()
+        if adapting.is_main and not state.steps:
             tracker.log_epoch(adapting.figures(trainee), step=0)
         return adapting
+
+    def _pace_the_probe(self) -> None:
+        probe = self.strategy.probe
+        if not self.paced or probe is None:
+            return
+        if self.batches.at_cap():
+            probe.follow_cost_model()
+        else:
+            probe.once_before_each(self.batches.every)
 
     def figures(self, trainee: Trainee) -> dict[str, float]:
         lr = float(trainee.optimizer.param_groups[0]["lr"])
@@ -165,6 +187,7 @@ class Adapting:
         if factor is not None:
             trainee.schedule.rescale(factor, self.batches.batch)
             self.noise.restart_windows()
+            self._pace_the_probe()
             if self.is_main:
                 log.info("adaptive batch: %d -> %d at step %d (%s)", before, self.batches.batch, step,
                          self.batches.decisions[-1]["reason"])  # fmt: skip

@@ -62,6 +62,17 @@ class FullSplitProbe:
         self.rows_per_pass = min(x.shape[0], FULL_SPLIT_ROWS)
         self.draw = torch.Generator(device=x.device).manual_seed(0)  # which rows, when the split is larger
         self.step_rows = 0
+        self.phase = 0  # it measures at the steps k with (k - phase) % every == 0
+
+    def once_before_each(self, period: int) -> None:
+        """One measurement per `period` steps, its reading complete at each multiple of `period`
+        (train.adaptive_batch decides there; the EMA keeps only the latest reading anyway)."""
+        self.every, self.step_rows = period, 0
+        self.phase = period - max(1, min(period // 2, MAX_HALF_WINDOW))
+
+    def follow_cost_model(self) -> None:
+        """Back to `full_split_every`'s period, from the next step's rows."""
+        self.every, self.step_rows, self.phase = None, 0, 0
 
     def after_backward(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         if self.every is None:
@@ -70,7 +81,7 @@ class FullSplitProbe:
     def small(self, step: int) -> FullSplitMeasure | None:
         if self.every is None:  # from the first step's (global) rows: the same period every run and rank
             self.every = full_split_every(self.rows_per_pass, self.step_rows * self.world_size, self.passes)
-        if step % self.every:
+        if (step - self.phase) % self.every:
             return None
         x, y = self.x, self.y
         if x.shape[0] > self.rows_per_pass:  # the same rows on every rank: one generator, one seed

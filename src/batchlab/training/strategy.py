@@ -62,7 +62,7 @@ class Strategy:
     _params: list[nn.Parameter] = field(init=False, default_factory=list)
     _flat_grads: torch.Tensor | None = field(init=False, default=None)
     _noise: NoiseScale | None = field(init=False, default=None)
-    _probe: FullSplitProbe | None = field(init=False, default=None)
+    probe: FullSplitProbe | None = field(init=False, default=None)  # the noise probe, once set up
     _step_rows: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -165,7 +165,7 @@ class Strategy:
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._flat_grads = None
         self._noise = noise if noise is not None and noise.enabled else None
-        self._probe, self._step_rows = None, 0
+        self.probe, self._step_rows = None, 0
         why_not = "under fsdp (its probe would gather every shard)" if self.fsdp else batch_coupled(model)
         if why_not is not None and self._noise is not None:
             if self.is_main:
@@ -180,7 +180,7 @@ class Strategy:
             if self._noise is not None:
                 assert train_rows is not None, "the noise probe passes over the train rows: give them"
                 rank, world = self.rank, self.world_size  # each rank its share of the rows
-                self._probe = FullSplitProbe(model, loss_fn, *train_rows, probe_every, rank=rank, world_size=world)
+                self.probe = FullSplitProbe(model, loss_fn, *train_rows, probe_every, rank=rank, world_size=world)
             return ddp
         flat, offset = torch.zeros(sum(p.numel() for p in self._params), device=self.device), 0
         for p in self._params:
@@ -189,7 +189,7 @@ class Strategy:
         self._flat_grads = flat
         if self._noise is not None:
             assert train_rows is not None, "the noise probe passes over the train rows: give them"
-            self._probe = FullSplitProbe(model, loss_fn, *train_rows, probe_every)
+            self.probe = FullSplitProbe(model, loss_fn, *train_rows, probe_every)
         return model
 
     def micro_batches(self, net: nn.Module, batch: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -219,8 +219,8 @@ class Strategy:
         if self.grad_accum_steps > 1:
             loss = loss / self.grad_accum_steps
         self.scaler.scale(loss).backward()
-        if self._probe is not None and self._noise is not None:
-            self._probe.after_backward(self._noise.steps + 1, inputs, targets)
+        if self.probe is not None and self._noise is not None:
+            self.probe.after_backward(self._noise.steps + 1, inputs, targets)
             self._step_rows += inputs.shape[0]
 
     def step(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
@@ -253,10 +253,10 @@ class Strategy:
     def _measure_noise(self, norm: torch.Tensor) -> None:
         """Give the noise scale the step's (unscaled) gradient norm and, on a measured step, the
         probe's measurement (on the device)."""
-        if self._noise is None or self._probe is None:
+        if self._noise is None or self.probe is None:
             return
         rows, self._step_rows = self._step_rows, 0
-        self._noise.record_step(norm, self._probe.small(self._noise.steps + 1), rows * self.world_size)
+        self._noise.record_step(norm, self.probe.small(self._noise.steps + 1), rows * self.world_size)
 
     def mean_across_ranks(self, values: torch.Tensor) -> torch.Tensor:
         if self.is_distributed:

@@ -34,7 +34,6 @@ from batchlab.training.epochs import (
     val_curve_points,
 )
 from batchlab.training.gns import NoiseScale, Trajectory
-from batchlab.training.gns_probes import FULL_SPLIT_MIN_EVERY
 from batchlab.training.optim import make_optimizer, make_schedule, steps_per_epoch
 from batchlab.training.strategy import Strategy
 from batchlab.validate import batch_fits
@@ -148,11 +147,9 @@ def fit(
     noise = NoiseScale(enabled=tc.gns, population=n_train)
     noise.load_state_dict(state.noise_scale)  # a resumed run continues the EMAs
     batches = BatchSchedule.from_config(tc, n_train)
-    # adaptive: a probe every half decision period, so each decision reads one taken since the last
-    probe_every = tc.gns_every or (max(FULL_SPLIT_MIN_EVERY, tc.adapt_every_steps // 2) if batches else None)
     train = split_tensors(dataset.train, strategy.device)
-    net = strategy.setup(trainee.model, noise, F.cross_entropy, probe_every=probe_every, train_rows=train)
-    adapt = Adapting.start(batches, noise, tracker, strategy.is_main, state, trainee) if batches else None
+    net = strategy.setup(trainee.model, noise, F.cross_entropy, probe_every=tc.gns_every, train_rows=train)
+    adapt = Adapting.start(batches, noise, tracker, strategy, state, trainee) if batches else None
     x_val, y_val = split_tensors(dataset.val, strategy.device)
     bar = _progress(tc.epochs, state.epoch, strategy.is_main)
     kept: list[tuple[int, torch.Tensor]] = []  # train.curve_weights
