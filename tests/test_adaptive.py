@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mlflow import MlflowClient
 from scipy.optimize import brentq
 
 from batchlab.config import ConfigError
@@ -185,6 +186,7 @@ def test_ddp_takes_the_single_process_schedule_to_the_same_weights(repo_copy: Pa
     single = torch.load(repo_copy / "models/model.pt", weights_only=True)["state_dict"]
     schedule = json.loads((repo_copy / "reports/train_summary.json").read_text())["batch_schedule"]
     set_params(repo_copy, "train", strategy="ddp", nproc=2)
+    set_params(repo_copy, "tracking", enabled=True)
     out = run(["batchlab", "train"], repo_copy)
     ddp = torch.load(repo_copy / "models/model.pt", weights_only=True)["state_dict"]
     ddp_schedule = json.loads((repo_copy / "reports/train_summary.json").read_text())["batch_schedule"]
@@ -192,6 +194,18 @@ def test_ddp_takes_the_single_process_schedule_to_the_same_weights(repo_copy: Pa
     assert sum(d["to"] != d["from"] for d in schedule) >= 2, schedule
     assert max((single[k] - ddp[k]).abs().max().item() for k in single) < 1e-5
     assert out.stderr.count("adaptive batch schedule: 8 -> 16") == 1  # rank 0 alone reports it
+    # MLflow: the batch and lr at step 0 and at each change, and the decisions as a table
+    client = MlflowClient(f"sqlite:///{repo_copy / 'mlflow.db'}")
+    run_id = json.loads((repo_copy / "reports/train.json").read_text())["run_id"]
+    changes = [d for d in ddp_schedule if d["to"] != d["from"]]
+    batches = client.get_metric_history(run_id, "adaptive.batch_size")
+    assert [(m.step, m.value) for m in batches] == [(0, 8.0)] + [(d["step"], float(d["to"])) for d in changes]
+    assert [m.step for m in client.get_metric_history(run_id, "adaptive.lr")] == [m.step for m in batches]
+    table = json.loads(Path(client.download_artifacts(run_id, "batch_schedule.json")).read_text())
+    to = table["columns"].index("to")
+    assert [row[to] for row in table["data"]] == [d["to"] for d in ddp_schedule]
+    history = (repo_copy / "reports/history.csv").read_text().splitlines()
+    assert "batch_size" in history[0].split(",")
 
 
 def test_the_studys_adaptive_row_is_scipys_paired_test_of_the_result_rows(tmp_path: Path) -> None:
