@@ -257,3 +257,6 @@ def test_the_studys_adaptive_row_is_scipys_paired_test_of_the_result_rows(tmp_pa
         assert i == 0 or r["seconds_to_target"] > r["epoch_train_seconds"][i - 1]
     report = (tmp_path / "reports/sweep/summary.md").read_text()
     assert "## Adaptive batch size" in report and f"all {len(p_values)} comparisons" in report
+    from batchlab.study.report import headline
+
+    assert headline(study).splitlines()[-1].startswith("Adaptive batch: Against the fastest fixed batch (")

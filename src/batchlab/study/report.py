@@ -167,7 +167,10 @@ def headline(study: Study) -> str:
     else:
         interval = f", 95% interval {fit.b_crit_low:.0f}–{fit.b_crit_high:.0f}" if math.isfinite(fit.b_crit_low) else ""
         crit = f"critical batch size {fit.b_crit:.0f}{interval}, R² {fit.r2:.3f}"
-    return f"{first}\nMeasurably worse in F1: {', '.join(map(str, worse)) or 'none'}; {crit}.\n"
+    text = f"{first}\nMeasurably worse in F1: {', '.join(map(str, worse)) or 'none'}; {crit}.\n"
+    if study.adaptive is not None:  # sweep.adaptive: its verdict's last sentence, the goal
+        text += "Adaptive batch: " + adaptive_verdict(study).rsplit(". ", 1)[-1] + "\n"
+    return text
 
 
 def markdown(study: Study, context: dict[str, Any]) -> str:
@@ -195,13 +198,19 @@ def markdown(study: Study, context: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def adaptive_text(study: Study) -> str:
-    """sweep.adaptive: its verdict, then each fixed batch size's paired differences (adaptive − fixed)."""
+def adaptive_verdict(study: Study) -> str:
+    """The adaptive row's verdict, against the fastest fixed batch size to the target and the best F1."""
     assert study.adaptive is not None
     reached = {r["batch_size"]: r["seconds_to_target_mean"] for r in study.rows if r["reached"] == r["seeds"]}
     fastest = min(reached, key=lambda b: reached[b]) if reached else None
+    return adaptive.verdict_text(study.adaptive, fastest, study.verdict.best)
+
+
+def adaptive_text(study: Study) -> str:
+    """sweep.adaptive: its verdict, then each fixed batch size's paired differences (adaptive − fixed)."""
+    assert study.adaptive is not None
     lines = [
-        adaptive.verdict_text(study.adaptive, fastest, study.verdict.best),
+        adaptive_verdict(study),
         "",
         "Adaptive − fixed, paired by seed (mean ± 95% CI; * measurable under Holm's correction over all "
         f"{len(study.adaptive.comparisons)} comparisons):",
