@@ -260,3 +260,18 @@ def test_the_studys_adaptive_row_is_scipys_paired_test_of_the_result_rows(tmp_pa
     from batchlab.study.report import headline
 
     assert headline(study).splitlines()[-1].startswith("Adaptive batch: Against the fastest fixed batch (")
+
+
+def test_the_studys_adaptive_cap_is_the_largest_batch_within_the_memory_budget(tiny_dataset: Dataset) -> None:
+    from batchlab.sweep import experiment
+
+    cfg = tiny_config(sweep={"batch_sizes": [8, 32, 128], "adaptive": True})
+    n_train = tiny_dataset.train.y.shape[0]
+    shape = (tiny_dataset.input_shape, tiny_dataset.n_classes, tiny_dataset.vocab)
+    mib = {b: experiment._step_mib(cfg, b, n_train, shape) for b in (8, 32, 128)}
+    assert mib[8] < mib[32] < mib[128]
+    for budget, cap in (((mib[32] + mib[128]) / 2, 32), (mib[128] * 2, 128), (mib[8] / 2, 8)):
+        budgeted = tiny_config(sweep={"batch_sizes": [8, 32, 128], "adaptive": True, "memory_budget_mb": budget})
+        planned = [e for e in experiment.plan(budgeted, n_train, tiny_dataset) if e.adaptive]
+        assert {e.max_batch_size for e in planned} == {cap} and {e.batch_size for e in planned} == {8}
+        assert experiment.experiment_config(budgeted, planned[0]).train.max_batch_size == cap

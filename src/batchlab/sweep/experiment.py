@@ -55,7 +55,7 @@ class Experiment:
         return f"{'adaptive' if self.adaptive else f'bs{self.batch_size}'}{lr}-seed{self.seed}"
 
 
-def plan(cfg: Config, n_train: int) -> list[Experiment]:
+def plan(cfg: Config, n_train: int, dataset: data.Dataset | None = None) -> list[Experiment]:
     """Every (batch size, lr multiplier, seed); rejects a batch the train split cannot fill before anything runs."""
     batches_fit(cfg, n_train)
     sc = cfg.sweep
@@ -74,19 +74,32 @@ def plan(cfg: Config, n_train: int) -> list[Experiment]:
         for b in sc.batch_sizes
         for m in sc.lr_multipliers
         for seed in sc.seeds
-    ] + (adaptive_plan(cfg, n_train) if sc.adaptive else [])
+    ] + (adaptive_plan(cfg, n_train, dataset) if sc.adaptive else [])
 
 
-def adaptive_plan(cfg: Config, n_train: int) -> list[Experiment]:
+def adaptive_plan(cfg: Config, n_train: int, dataset: data.Dataset | None = None) -> list[Experiment]:
     """sweep.adaptive's experiments, one per seed: from the smallest batch size (at its scaled lr)
-    up to the largest, scored as often as the largest batch's experiments are (its steps grow)."""
+    up to the largest (with sweep.memory_budget_mb, the largest whose measured step memory fits:
+    the study's own probe, `dataset` given), scored as often as the largest batch's experiments are
+    (its steps grow)."""
     sc = cfg.sweep
     low, high = min(sc.batch_sizes), max(sc.batch_sizes)
+    if sc.memory_budget_mb is not None and dataset is not None:
+        shape = (dataset.input_shape, dataset.n_classes, dataset.vocab)
+        fits = [b for b in sorted(sc.batch_sizes) if _step_mib(cfg, b, n_train, shape) <= sc.memory_budget_mb]
+        high = max(fits, default=low)
     lr = scaled_lr(cfg.train.lr, cfg.train.batch_size, low, sc.lr_scaling)
     every = max(1, steps_per_epoch(n_train, high) // sc.evals_per_epoch)
     epochs = sc.epochs or cfg.train.epochs
     return [Experiment(low, seed, lr, epochs, eval_every_steps=every, adaptive=True, max_batch_size=high)
             for seed in sc.seeds]  # fmt: skip
+
+
+def _step_mib(cfg: Config, batch: int, n_train: int, shape: tuple[tuple[int, ...], int, int]) -> float:
+    """The step memory the study reports for `batch` (probes.step_memory, measured once per batch)."""
+    lr = scaled_lr(cfg.train.lr, cfg.train.batch_size, batch, cfg.sweep.lr_scaling)
+    exp = Experiment(batch, 0, lr, 1, gns_every=steps_per_epoch(n_train, batch))
+    return probes.step_memory(experiment_config(cfg, exp), *shape)["step_memory_mib"]
 
 
 def experiment_config(cfg: Config, exp: Experiment) -> Config:

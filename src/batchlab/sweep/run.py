@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 def prepare(cfg: Config, paths: stages.Paths) -> Sweep:
     """Plan the experiments and find those an earlier sweep already finished. Call it holding `exclusive`."""
     dataset = data.load(paths.data)
-    experiments = experiment.plan(cfg, dataset.train.y.shape[0])
+    experiments = experiment.plan(cfg, dataset.train.y.shape[0], dataset)
     data_hash = dataset.content_hash()
     key = cfg.section_hash("model", "train", "sweep") + f"-{data_hash}-{experiment.code_hash()}"
     state = sweep_state.load(paths, key)
