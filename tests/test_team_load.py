@@ -1,0 +1,88 @@
+"""Many trainings at once against one MLflow server on PostgreSQL, as a team's sweep meets it:
+whatever they create in common (the experiment, the dataset inputs) is created once, no run dies
+from the race, and a server restart in the middle loses no point."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import env_with_venv, mlflow_on_postgres, run, set_params, wait_until
+
+pytestmark = pytest.mark.slow
+RUNS, EPOCHS = 6, 12
+
+
+def _start(repo: Path, out: str, uri: str) -> subprocess.Popen[str]:
+    env = env_with_venv(MLFLOW_TRACKING_URI=uri)
+    cmd = ["batchlab", "--out", out, "train"]
+    return subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_six_trainings_at_once_lose_no_run_and_no_point_through_a_server_restart(
+    repo_copy: Path, tmp_path: Path
+) -> None:
+    set_params(repo_copy, "tracking", enabled=True)
+    set_params(repo_copy, "train", epochs=EPOCHS, batch_size=8)
+    run(["batchlab", "generate"], repo_copy)
+    with mlflow_on_postgres(tmp_path) as server:
+        # a fresh store: the experiment and the dataset rows do not exist yet, and all six create them
+        procs = [_start(repo_copy, f"out{i}", server.uri) for i in range(RUNS)]
+        client = MlflowClient(server.uri)
+
+        def a_run_has_epochs() -> bool | None:
+            experiment = client.get_experiment_by_name("batchlab")
+            if experiment is None:
+                return None
+            runs = client.search_runs([experiment.experiment_id])
+            return any(len(client.get_metric_history(r.info.run_id, "val_loss")) >= 1 for r in runs) or None
+
+        wait_until(a_run_has_epochs, "a training to record an epoch", interval=0.2, process=procs[0])
+        server.kill()  # mid-run: the trainings keep what they cannot write
+        time.sleep(5)
+        server.start()
+        outputs = [p.communicate(timeout=600)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0] * RUNS, "\n\n".join(o[-3000:] for o in outputs)
+        assert not any("Traceback" in o for o in outputs), "\n\n".join(outputs)
+        experiments = [e for e in client.search_experiments() if e.name == "batchlab"]
+        assert len(experiments) == 1
+        runs = client.search_runs([experiments[0].experiment_id])
+        ids = {json.loads((repo_copy / f"out{i}/reports/train.json").read_text())["run_id"] for i in range(RUNS)}
+        assert {r.info.run_id for r in runs} == ids and all(r.info.status == "FINISHED" for r in runs)
+        for r in runs:
+            for key in ("val_loss", "train_loss", "samples_per_s"):
+                assert [m.step for m in client.get_metric_history(r.info.run_id, key)] == list(range(1, EPOCHS + 1))
+            assert sorted(d.dataset.name for d in r.inputs.dataset_inputs) == [
+                "synthetic-test", "synthetic-train", "synthetic-val"
+            ]  # fmt: skip
+
+
+def test_six_runs_logging_the_same_dataset_at_a_barrier_on_postgresql_all_log_it(tmp_path: Path) -> None:
+    """The race one try in four hit with 12 trainings: MLflow's server adds a dataset as "look it
+    up, insert it if absent", and six runs released at once all insert it."""
+    import multiprocessing
+
+    from tests.test_tracking import _log_the_dataset_at_once
+
+    with mlflow_on_postgres(tmp_path) as server:
+        context = multiprocessing.get_context("spawn")
+        barrier, answers = context.Barrier(RUNS), context.Queue()
+        racers = [
+            context.Process(target=_log_the_dataset_at_once, args=(server.uri, barrier, answers)) for _ in range(RUNS)
+        ]
+        for racer in racers:
+            racer.start()
+        for racer in racers:
+            racer.join(timeout=300)
+        assert [answers.get(timeout=10) for _ in racers] == ["ok"] * RUNS
+        client = MlflowClient(server.uri)
+        runs = client.search_runs([client.get_experiment_by_name("batchlab").experiment_id])
+        assert sum(len(r.inputs.dataset_inputs) == 3 for r in runs if r.info.run_name == "racer") == RUNS
+        log = (tmp_path / "server.log").read_text()
+        raced = log.count("UniqueViolation")
+        print(f"the server turned down {raced} duplicate dataset inserts")
