@@ -31,6 +31,7 @@ BENCHES = (
     "threads",
     "startup",
     "tracking",
+    "team_load",
     "ddp",
     "fsdp",
     "sweep",
