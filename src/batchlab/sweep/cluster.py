@@ -9,6 +9,10 @@ scheduler runs the task again on another worker (distributed.scheduler.allowed-f
 retry continues the killed attempt's checkpoint and MLflow run when it saved one. A task run again
 after its experiment finished (Dask runs a task at least once) returns the result that the
 experiment's child run stored, training nothing (experiment.stored_result).
+
+A cluster with TLS (a tls:// sweep.dask_address) is reached with Dask's own security config
+(distributed.comm.tls.*, e.g. DASK_DISTRIBUTED__COMM__TLS__CA_FILE), which distributed's Client
+reads by itself; a Prefect server with an auth string, with Prefect's PREFECT_API_AUTH_STRING.
 """
 
 from __future__ import annotations
@@ -42,10 +46,20 @@ WORKER_ROOT_ENV = "BATCHLAB_WORKER_ROOT"
 SCHEDULER_TIMEOUT_S = 5  # the whole check: connect, handshake and the scheduler's answer
 # what a distributed sweep's MLflow store may be: every worker writes its child runs there
 SHARED_STORES = ("http://", "https://", "postgresql", "mysql", "mssql")
+# Dask's own variables for its TLS config (distributed.comm.tls.*): the cluster's CA, this client's certificate
+TLS_VARIABLES = (
+    "DASK_DISTRIBUTED__COMM__TLS__CA_FILE",
+    "DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT",
+    "DASK_DISTRIBUTED__COMM__TLS__CLIENT__KEY",
+)
 
 
 class DaskUnavailable(RuntimeError):
     """The scheduler does not answer, or went away mid-sweep."""
+
+
+class PrefectRefused(RuntimeError):
+    """The Prefect server the sweep's flow reports to refuses this client (its auth string)."""
 
 
 class WorkerMismatch(RuntimeError):
@@ -72,7 +86,41 @@ def preflight(cfg: Config) -> None:
         )
     if cfg.tracking.enabled:
         tracking.check_reachable(uri)
+    _check_prefect()
     _check_scheduler(str(cfg.sweep.dask_address))
+
+
+def _check_prefect() -> None:
+    """A Prefect server started with PREFECT_SERVER_API_AUTH_STRING answers its health check to anyone
+    and 401 to the rest without the same string in PREFECT_API_AUTH_STRING: the flow would fail in a
+    traceback of Prefect's client. Nothing to check without PREFECT_API_URL (Prefect's temporary server)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectHTTPStatusError
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL
+
+    api = PREFECT_API_URL.value()
+    if not api:
+        return
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # its line per call would precede the one line
+    try:
+        with get_client(sync_client=True) as client:
+            client.hello()
+    except PrefectHTTPStatusError as err:
+        status = err.response.status_code
+        if status not in (401, 403):
+            raise
+        why = "requires" if PREFECT_API_AUTH_STRING.value() is None else "refused"
+        raise PrefectRefused(
+            f"the Prefect server at {api} {why} PREFECT_API_AUTH_STRING ({status} {err.response.reason_phrase}): "
+            f"set it to the server's PREFECT_SERVER_API_AUTH_STRING (user:password)"
+        ) from None
+
+
+def _security() -> Any:
+    """The client side of Dask's TLS, from Dask's config (distributed.comm.tls.*); empty without one."""
+    from distributed.security import Security
+
+    return Security()
 
 
 async def _count_workers(address: str) -> int:
@@ -81,7 +129,8 @@ async def _count_workers(address: str) -> int:
 
     # connect's timeout bounds the TCP connect only (its handshake then waits for ever), and is
     # shorter than the check's: a port nobody listens on ends here, in an OSError
-    comm = await connect(address, timeout=SCHEDULER_TIMEOUT_S - 1)
+    tls = _security().get_connection_args("client")
+    comm = await connect(address, timeout=SCHEDULER_TIMEOUT_S - 1, **tls)
     try:
         return int((await send_recv(comm, op="identity", n_workers=0))["n_workers"])
     finally:
@@ -102,9 +151,23 @@ def _workers_at(address: str) -> int:
 
 
 def _check_scheduler(address: str) -> None:
+    from distributed.comm.core import CommClosedError
+
     within = f"did not answer within {SCHEDULER_TIMEOUT_S} s"
+    tls_vars = ", ".join(TLS_VARIABLES)
+    if address.startswith("tls://") and not (_security().tls_ca_file and _security().tls_client_cert):
+        raise DaskUnavailable(
+            f"the Dask scheduler at {address} takes TLS clients only and this one has no certificate: set "
+            f"{tls_vars} (Dask's config, distributed.comm.tls.*) to the cluster's CA and a certificate it signed"
+        )
     try:
         workers = _workers_at(address)
+    except CommClosedError:  # taken, then closed in the handshake; Fatal... or not, by the TLS alert's timing
+        raise DaskUnavailable(
+            f"the connection to the Dask scheduler at {address} closed in its handshake: a TLS scheduler and this "
+            f"client that do not trust each other's certificate (set {tls_vars} to the cluster's CA and a "
+            f"certificate it signed), or a tcp:// address for a scheduler that takes tls:// only"
+        ) from None
     except TimeoutError:  # before OSError, which it is: only a connection that was taken gets here
         raise DaskUnavailable(
             f"the Dask scheduler at {address} {within} (it took the connection and sent nothing back: a stopped "

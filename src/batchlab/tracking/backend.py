@@ -1,5 +1,6 @@
-"""The tracking backend, before any run opens: where it is, whether it answers, a store ready for
-concurrent writers. Fails in seconds with one line naming the URI instead of hanging in a retry loop."""
+"""The tracking backend, before any run opens: where it is, whether it answers and takes this client's
+login, a store ready for concurrent writers. Fails in seconds with one line naming the URI (and, for a
+refused login, the variable to fix) instead of hanging in a retry loop or a traceback."""
 
 from __future__ import annotations
 
@@ -10,12 +11,23 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from batchlab.config import TrackingConfig
+from batchlab.config import ConfigError, TrackingConfig
+
+# MLflow's own variables for a server's login (`mlflow server --app-name basic-auth`): MLflow's client
+# reads them (and ~/.mlflow/credentials, MLFLOW_TRACKING_TOKEN), so no credential is in params.yaml,
+# the URI or any run
+USERNAME, PASSWORD = "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"
 
 
 class TrackingUnavailable(RuntimeError):
     """The tracking backend cannot be reached; raised before any training starts."""
+
+
+class TrackingRefused(RuntimeError):
+    """The tracking server answers but refuses this client's login (401) or access (403): not
+    transient, so never retried (orchestration.TRANSIENT does not hold it)."""
 
 
 def resolve_uri(cfg: TrackingConfig) -> str:
@@ -49,14 +61,61 @@ def artifact_location(uri: str) -> str | None:
     return (root / "mlruns").as_uri() if root is not None and _sqlite_path(uri) is not None else None
 
 
-def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
-    """Fail within seconds, naming the URI, when the tracking backend does not answer."""
+def no_credentials_in(uri: str) -> None:
+    """An http(s) URI with user:password@ would put the password in params.yaml, in every run's
+    tracking.tracking_uri param and in the logs: refused, naming MLflow's variables instead."""
+    parts = urlsplit(uri)
+    if parts.username is not None or parts.password is not None:
+        shown = parts._replace(netloc=f"***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")).geturl()
+        raise ConfigError(
+            f"the tracking URI {shown} carries a login: remove it from the URI and set {USERNAME} and {PASSWORD} "
+            f"(MLflow's variables, which batchlab records nowhere)"
+        )
+
+
+def check_credentials(uri: str, timeout_s: float = 5.0) -> None:
+    """A server with MLflow's basic-auth app answers /health to anyone, and 401 to everything else
+    without a valid login: ask it for one experiment with the login MLflow's client would send."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    creds = get_default_host_creds(uri)
+    once = {"max_retries": 0, "backoff_factor": 0, "timeout": timeout_s, "raise_on_status": False}
+    try:
+        response = http_request(creds, "/api/2.0/mlflow/experiments/search", "GET", params={"max_results": 1}, **once)
+    except MlflowException as err:  # gone since its /health answered
+        why = err.message.splitlines()[0]
+        raise TrackingUnavailable(f"MLflow tracking server {uri} is unreachable ({why})") from None
+    if response.status_code == 401 and not (creds.username and creds.password) and not creds.token:
+        raise TrackingRefused(
+            f"MLflow tracking server {uri} requires a login (401 Unauthorized): set {USERNAME} and {PASSWORD} "
+            f"to an account on it"
+        )
+    if response.status_code == 401:
+        raise TrackingRefused(
+            f"MLflow tracking server {uri} refused the login of user {creds.username!r} (401 Unauthorized): "
+            f"check {USERNAME} and {PASSWORD}"
+        )
+    if response.status_code == 403:
+        raise TrackingRefused(
+            f"MLflow tracking server {uri} denies user {creds.username!r} access (403 Forbidden): ask its admin "
+            f"for a permission, or set {USERNAME} and {PASSWORD} to another account"
+        )
+
+
+def check_reachable(uri: str, timeout_s: float = 5.0, login: bool = True) -> None:
+    """Fail within seconds, naming the URI, when the tracking backend does not answer, or (`login`)
+    refuses this client's credentials."""
     hint = "start it, or set MLFLOW_TRACKING_URI / tracking.tracking_uri, or set tracking.enabled: false"
     if uri.startswith(("http://", "https://")):
         import requests
 
+        no_credentials_in(uri)
         try:
             requests.get(f"{uri.rstrip('/')}/health", timeout=timeout_s).raise_for_status()
+            if login:
+                check_credentials(uri, timeout_s)
         except requests.RequestException as err:
             raise TrackingUnavailable(
                 f"MLflow tracking server {uri} is unreachable ({type(err).__name__}); {hint}"
@@ -130,8 +189,9 @@ def preflight(uri: str) -> None:
 
 
 def reachable(uri: str) -> bool:
+    """Whether the backend answers (an outage's probe): the login was checked before the run opened."""
     try:
-        check_reachable(uri, timeout_s=1.0)
+        check_reachable(uri, timeout_s=1.0, login=False)
         return True
     except TrackingUnavailable:
         return False
