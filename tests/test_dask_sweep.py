@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 from mlflow import MlflowClient
@@ -474,3 +475,24 @@ def test_worker_with_other_batchlab_and_data_is_refused_naming_both(setup: Setup
     assert "differs from the sweep: batchlab 0.1.1 (sweep: 0.1.0)" in error[0]
     assert "data content hash" in error[0] and "source hash" in error[0]
     assert not list((folder / "sweep" / "experiments").glob("*/result.json"))
+
+
+@pytest.mark.slow
+def test_a_sweep_without_a_prefect_server_is_one_line_and_starts_no_server_anywhere(setup: Setup) -> None:
+    """Without PREFECT_API_URL the sweep would start Prefect's temporary server, and every worker one
+    of its own (it outlived a killed worker, 40 minutes later): refused before anything starts."""
+    folder = _sweep_dir(setup, "no-prefect-api")
+    env = {k: v for k, v in setup.env.items() if k != "PREFECT_API_URL"}
+    before = {p.pid for p in psutil.process_iter()}
+    proc = _sweep(folder, env, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "batchlab: error: sweep.executor: dask needs a Prefect server the workers report to: set PREFECT_API_URL "
+        "(e.g. http://host:4200/api of a `prefect server start`); without it every worker would start a "
+        "temporary server of its own"
+    ]
+    started = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if p.info["pid"] not in before and "prefect.server.api.server" in " ".join(p.info["cmdline"] or []):
+            started.append(p.info["cmdline"])
+    assert not started and not (folder / "sweep").exists()

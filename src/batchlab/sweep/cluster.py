@@ -88,6 +88,23 @@ def preflight(cfg: Config) -> None:
         tracking.check_reachable(uri)
     _check_prefect()
     _check_scheduler(str(cfg.sweep.dask_address))
+    _check_prefect_is_shared()
+
+
+def _check_prefect_is_shared() -> None:
+    """Without PREFECT_API_URL the sweep would start Prefect's temporary server, which no other
+    machine reaches, and each worker, given no API either, starts one of its own for its task runs:
+    a uvicorn that lives as long as the worker process and outlives one that is killed (one was
+    found still running 40 minutes after its sweep, 230 MB). The tasks carry the sweep's Prefect
+    settings to the workers, so setting it here is enough."""
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        raise ConfigError(
+            "sweep.executor: dask needs a Prefect server the workers report to: set PREFECT_API_URL "
+            "(e.g. http://host:4200/api of a `prefect server start`); without it every worker would start "
+            "a temporary server of its own"
+        )
 
 
 def _check_prefect() -> None:
