@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,17 @@ class Config(Section):
         return hashlib.sha256(json.dumps(dump, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# a value in an error message: its first items and levels, one short line (never a page of repr, nor
+# the 10**12 items of YAML anchors referring to anchors)
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxset, _SHOWN.maxstring, _SHOWN.maxother = 3, 6, 6, 6, 80, 80
+MAX_VALUES, MAX_DEPTH = 10_000, 32  # far above any params.yaml (the repo's: ~130 values, 3 deep)
+
+
+def _shown(value: Any) -> str:
+    return _SHOWN.repr(value)
+
+
 def _format_error(err: ValidationError) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"])
@@ -87,10 +99,10 @@ def _format_error(err: ValidationError) -> str:
     if first["type"] == "extra_forbidden":
         return f"unknown key {loc!r} in params (check spelling; see params.yaml for the allowed keys)"
     if first["type"] == "literal_error":
-        return f"{loc}: {msg}, got {first.get('input')!r}"
+        return f"{loc}: {msg}, got {_shown(first.get('input'))}"
     if msg.startswith(("data.", "model.", "train.", "sweep.", "export.", "tracking.", "evaluate.")):
         return msg
-    return f"{loc}: {msg}, got {first.get('input')!r}" if loc else msg
+    return f"{loc}: {msg}, got {_shown(first.get('input'))}" if loc else msg
 
 
 def parse_config(raw: dict[str, Any]) -> Config:
@@ -102,7 +114,7 @@ def parse_config(raw: dict[str, Any]) -> Config:
 
 def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """`{"train.lr": 0.01}` style overrides, the same keys `dvc exp run -S` takes."""
-    out = {section: dict(values) for section, values in raw.items()}
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in raw.items()}
     for dotted, value in overrides.items():
         section, _, key = dotted.partition(".")
         if not key:
@@ -116,13 +128,46 @@ def load_config(path: str | Path = "params.yaml", overrides: dict[str, Any] | No
     if not path.is_file():
         raise ConfigError(f"params file {str(path)!r} not found (run from the repo root or pass --params)")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+        raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(err)}") from None
+    except RecursionError:  # PyYAML's parser recurses once per level of nesting
+        raise ConfigError(f"{path} nests too deeply to read; params.yaml is sections of keys") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path} must be a mapping of sections (data, model, train, ...)")
+        raise ConfigError(f"{path} must be a mapping of sections (data, model, train, ...), got {_shown(raw)}")
+    _check_size(raw, path.name)
     _check_sections(raw, path.name)
     return parse_config(apply_overrides(raw, overrides or {}))
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """What PyYAML found wrong and where, in one line (its text opens with the context, not the problem)."""
+    problem, mark = getattr(err, "problem", None), getattr(err, "problem_mark", None)
+    if problem and mark is not None:
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _check_size(raw: dict[str, Any], name: str) -> None:
+    """Refuse a document nested deeper than MAX_DEPTH or holding more than MAX_VALUES values once
+    its aliases are expanded (an anchor of ten aliases of an anchor of ten ...: a few lines, 10**12
+    values), before validating, hashing or printing it walks them all."""
+    stack: list[tuple[Any, int]] = [(raw, 1)]
+    seen = 0
+    while stack:
+        value, depth = stack.pop()
+        seen += 1
+        if seen > MAX_VALUES:
+            raise ConfigError(f"{name} holds over {MAX_VALUES} values once its YAML aliases are expanded "
+                              "(anchors referring to anchors?); params.yaml is sections of plain keys")  # fmt: skip
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"{name} nests values over {MAX_DEPTH} levels deep; params.yaml is sections of keys")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list | set):
+            stack.extend((v, depth + 1) for v in value)
 
 
 def _check_sections(raw: dict[str, Any], name: str) -> None:
@@ -138,7 +183,7 @@ def _check_sections(raw: dict[str, Any], name: str) -> None:
         )
     for section in sections:
         if not isinstance(raw[section], dict):
-            raise ConfigError(f"{name}: section {section!r} must be a mapping of keys, got {raw[section]!r}")
+            raise ConfigError(f"{name}: section {section!r} must be a mapping of keys, got {_shown(raw[section])}")
 
 
 def dump_config(cfg: Config) -> str:

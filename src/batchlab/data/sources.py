@@ -8,6 +8,9 @@ per channel, tokens (N, T) (integer ids, carried as float32) not at all.
 
 from __future__ import annotations
 
+import tokenize
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -21,6 +24,24 @@ Kind = Literal["rows", "images", "tokens"]
 
 class DataError(ValueError):
     """Input data that cannot be trained on; the message says what is wrong."""
+
+
+# what np.load raises on a user's file that is no plain array: not an .npy nor a zip, empty, truncated,
+# damaged (zipfile's and zlib's own errors), an object array (pickle refused), a zip it cannot open
+# (encrypted, an unknown compression), a header whose shape is too large to map or to allocate, or
+# that numpy's tokenizer cannot read
+UNREADABLE_ARRAYS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError,
+                     RuntimeError, OverflowError, MemoryError, tokenize.TokenError)  # fmt: skip
+
+
+def unreadable_array(name: str, what: str, err: BaseException) -> DataError:
+    """The one line for an array file np.load refused: `name` is not `what`, and numpy's reason."""
+    why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if "allow_pickle" in why:  # numpy's words name a flag the user cannot pass
+        why = "it holds Python objects (an object array), which are never unpickled; save numeric arrays"
+    elif isinstance(err, tokenize.TokenError):  # its text is a tuple of the tokenizer's
+        why = "its .npy header cannot be parsed"
+    return DataError(f"{name} is not {what}: {why}")
 
 
 @dataclass(frozen=True)
@@ -81,25 +102,33 @@ def read_npz(path: Path) -> Raw:
     if not path.is_file():
         raise DataError(f"data.npz_path {str(path)!r} does not exist")
     try:
-        with np.load(path, allow_pickle=False) as arrays:
+        with np.errstate(over="ignore"), np.load(path, allow_pickle=False) as arrays:  # a huge shape: refused
             missing = [k for k in ("x", "y") if k not in arrays.files]
             if missing:
                 raise DataError(f"{path.name} has no array {missing[0]!r}; it needs x (N, ...) and y (N labels), "
                                 f"has {arrays.files}")  # fmt: skip
             x, y = arrays["x"], arrays["y"]
-    except (OSError, ValueError) as err:  # not a zip, truncated, or an object array (pickle refused)
+    except UNREADABLE_ARRAYS as err:
         if isinstance(err, DataError):
             raise
-        raise DataError(f"{path.name} is not a readable .npz of plain arrays: {str(err).splitlines()[0]}") from None
+        raise unreadable_array(path.name, "a readable .npz of plain arrays", err) from None
     if y.ndim != 1 or x.ndim not in (2, 3, 4) or len(x) != len(y):
         raise DataError(f"{path.name}: x has shape {x.shape} and y {y.shape}; need x (N, F), (N, H, W) or "
                         "(N, C, H, W) and y (N,) with the same N")  # fmt: skip
+    if 0 in x.shape[1:]:
+        raise DataError(f"{path.name}: x has shape {x.shape}, examples of no values; need at least one feature")
     if not (np.issubdtype(x.dtype, np.number) and not np.issubdtype(x.dtype, np.complexfloating)):
         raise DataError(f"{path.name}: x must be real numbers, got dtype {x.dtype}")
     x = x.astype(np.float64)
     if not np.isfinite(x).all():
         bad = int(np.argwhere(~np.isfinite(x.reshape(len(x), -1)))[0][0])
         raise DataError(f"{path.name}: x holds NaN or infinite values (first in example {bad}); fix them first")
+    if not len(y):
+        raise DataError(f"{path.name}: x and y hold no examples; need rows of at least 2 classes")
+    if np.issubdtype(y.dtype, np.inexact) and not np.isfinite(y).all():  # NaN is no class (nor equal to itself)
+        first = int(np.argmin(np.isfinite(y)))
+        raise DataError(f"{path.name}: y holds NaN or infinite labels (first in example {first}); labels are class "
+                        "ids or names")  # fmt: skip
     classes = sorted(np.unique(y).tolist(), key=str)
     if len(classes) < 2:
         raise DataError(f"{path.name}: y has a single class ({classes[0]!r}); need at least 2")
@@ -128,6 +157,8 @@ def _read_csv(path: Path, target: str) -> Raw:
     if target not in frame.columns:
         raise DataError(f"data.target column {target!r} is not in {path.name}; columns are {list(frame.columns)}")
     features = frame.drop(columns=[target])
+    if features.columns.empty:
+        raise DataError(f"{path.name} has no feature columns, only the target {target!r}; add the features")
     non_numeric = [c for c in features.columns if not pd.api.types.is_numeric_dtype(features[c])]
     if non_numeric:
         raise DataError(f"{path.name}: feature columns must be numeric; not numeric: {non_numeric}")

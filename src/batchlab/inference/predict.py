@@ -19,6 +19,7 @@ import numpy as np
 
 from batchlab import atomic
 from batchlab.data import DataError
+from batchlab.data.sources import UNREADABLE_ARRAYS, unreadable_array
 
 METADATA_KEY = "batchlab.preprocessing"  # the ONNX metadata_props entry; tracking/onnx_predictor.py reads it too
 PREDICTED = "predicted"  # the class column, named as in reports/predictions.csv
@@ -110,11 +111,13 @@ class OnnxClassifier:
         return self.prep.kind == "rows"
 
     def predict_proba(self, raw: np.ndarray) -> np.ndarray:
-        # the same arithmetic as data.build: float64 scaling, then float32
-        x = ((np.asarray(raw, dtype=np.float64) - self.mean) / self.std).astype(np.float32)
-        logits = self.session.run(None, {self.input_name: x})[0].astype(np.float64)
-        e = np.exp(logits - logits.max(axis=1, keepdims=True))
-        return e / e.sum(axis=1, keepdims=True)
+        # the same arithmetic as data.build: float64 scaling, then float32. A value too large for float32
+        # gives non-finite probabilities, which _write refuses (no warning printed first)
+        with np.errstate(over="ignore", invalid="ignore"):
+            x = ((np.asarray(raw, dtype=np.float64) - self.mean) / self.std).astype(np.float32)
+            logits = self.session.run(None, {self.input_name: x})[0].astype(np.float64)
+            e = np.exp(logits - logits.max(axis=1, keepdims=True))
+            return e / e.sum(axis=1, keepdims=True)
 
     def frame(self, raw: np.ndarray) -> Any:
         """The output columns of `raw`'s rows: predicted class name, then one probability per class."""
@@ -149,14 +152,16 @@ def _table_chunks(frames: Iterator[Any], name: str, model: OnnxClassifier) -> It
         clash = sorted(taken & set(map(str, frame.columns)))
         if clash:
             raise DataError(f"{name}: columns {clash} would be overwritten by the output; rename them")
+        twice = sorted({c for c in features if int((frame.columns == c).sum()) > 1})
+        if twice:
+            raise DataError(f"{name}: feature columns {twice} appear more than once; keep one of each")
         for c in features:
             column = frame[c]
             # an empty column (a header-only input) has no dtype to check: it is numeric enough
             if len(column) and (pd.api.types.is_bool_dtype(column) or not pd.api.types.is_numeric_dtype(column)):
-                bad = column[pd.to_numeric(column, errors="coerce").isna() & column.notna()]
-                example = (
-                    f" (row {start + int(bad.index[0]) - int(frame.index[0])}: {bad.iloc[0]!r})" if len(bad) else ""
-                )
+                wrong = (pd.to_numeric(column, errors="coerce").isna() & column.notna()).to_numpy()
+                at = int(np.argmax(wrong))  # by position: a Parquet file's pandas index may be anything
+                example = f" (row {start + at}: {column.iloc[at]!r})" if wrong.any() else f" ({column.dtype} values)"
                 raise DataError(f"{name}: feature column {c!r} is not numeric{example}")
         x = frame[features].to_numpy(dtype=np.float64)
         _check_finite(x, features, name, start)
@@ -175,25 +180,31 @@ def read_chunks(path: Path, model: OnnxClassifier, chunk_rows: int = CHUNK_ROWS)
     if suffix == ".csv":
         import pandas as pd
 
+        malformed = (pd.errors.ParserError, UnicodeDecodeError)  # the header is parsed here, the rows per chunk
         try:  # round_trip: the exact float64 a CSV writer printed, as training read it
             reader = pd.read_csv(path, chunksize=chunk_rows, float_precision="round_trip")
         except pd.errors.EmptyDataError:
             raise DataError(f"{path.name} is empty; it needs a header row naming the feature columns") from None
+        except malformed as err:
+            raise _not_csv(path.name, err) from None
         with reader:
             try:
                 yield from _table_chunks(iter(reader), path.name, model)
-            except (pd.errors.ParserError, UnicodeDecodeError) as err:
-                raise DataError(f"{path.name} is not a valid UTF-8 CSV: {str(err).strip().splitlines()[0]}") from None
+            except malformed as err:
+                raise _not_csv(path.name, err) from None
     elif suffix in (".parquet", ".pq"):
         import pyarrow as pa
         import pyarrow.parquet as pq
 
+        damaged = (pa.ArrowException, OSError)  # the footer is read here, each page as its batch is
         try:
             parquet = pq.ParquetFile(path)
-        except pa.ArrowException as err:
-            raise DataError(f"{path.name} is not a Parquet file: {str(err).splitlines()[0]}") from None
-        batches = (batch.to_pandas() for batch in parquet.iter_batches(batch_size=chunk_rows))
-        yield from _table_chunks(batches, path.name, model)
+        except damaged as err:
+            raise DataError(f"{path.name} is not a Parquet file: {_first_line(err)}") from None
+        try:
+            yield from _table_chunks(_frames(parquet, path.name, chunk_rows), path.name, model)
+        except damaged as err:
+            raise DataError(f"{path.name} is a damaged Parquet file: {_first_line(err)}") from None
     elif suffix in (".npy", ".npz"):
         yield from _array_chunks(path, model, chunk_rows)
     else:
@@ -201,27 +212,49 @@ def read_chunks(path: Path, model: OnnxClassifier, chunk_rows: int = CHUNK_ROWS)
         raise DataError(f"{path.name}: input must be {kinds}")
 
 
+def _frames(parquet: Any, name: str, chunk_rows: int) -> Iterator[Any]:
+    """The Parquet file's row batches as DataFrames (a damaged page raises as it is read)."""
+    import pyarrow as pa
+
+    for batch in parquet.iter_batches(batch_size=chunk_rows):
+        try:
+            frame = batch.to_pandas()
+        except (ValueError, TypeError, pa.ArrowException) as err:  # e.g. a dictionary column with NaN in it
+            raise DataError(f"{name}: pandas cannot convert its columns ({_first_line(err)}); store the features "
+                            "as plain numbers") from None  # fmt: skip
+        yield frame
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _not_csv(name: str, err: BaseException) -> DataError:
+    return DataError(f"{name} is not a valid UTF-8 CSV: {_first_line(err)}")
+
+
 def _array_chunks(path: Path, model: OnnxClassifier, chunk_rows: int) -> Iterator[tuple[np.ndarray, Any]]:
     """Raw examples from an .npy array, or the array `x` of an .npz: (N, *the model's example shape)."""
-    try:
+    try:  # errstate: numpy warns of the overflow before it refuses a header's shape past 2**63 bytes
         if path.suffix.lower() == ".npz":
-            with np.load(path, allow_pickle=False) as arrays:
+            with np.errstate(over="ignore"), np.load(path, allow_pickle=False) as arrays:
                 if "x" not in arrays.files:
                     raise DataError(f"{path.name} has no array 'x' (it has {arrays.files})")
                 array = arrays["x"]
         else:
-            array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError) as err:
+            with np.errstate(over="ignore"):
+                array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except UNREADABLE_ARRAYS as err:
         if isinstance(err, DataError):
             raise
-        raise DataError(f"{path.name} is not a readable {path.suffix} array ({type(err).__name__})") from None
+        raise unreadable_array(path.name, f"a readable {path.suffix} array", err) from None
     shape = model.prep.shape
     if array.ndim != 1 + len(shape) or tuple(array.shape[1:]) != shape:
         order = f" features, in this order: {model.prep.feature_names}" if model.tabular else ""
         raise DataError(f"{path.name}: shape {array.shape}, but the model takes (rows, {', '.join(map(str, shape))})"
                         f"{order}")  # fmt: skip
-    if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.number):
-        raise DataError(f"{path.name}: {array.dtype} values; features must be numeric")
+    if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.number) or array.dtype.kind == "c":
+        raise DataError(f"{path.name}: {array.dtype} values; features must be real numbers")
     for start in range(0, array.shape[0], chunk_rows):
         x = np.asarray(array[start : start + chunk_rows], dtype=np.float64)
         if model.tabular:
@@ -232,12 +265,16 @@ def _array_chunks(path: Path, model: OnnxClassifier, chunk_rows: int) -> Iterato
         yield x, None
 
 
-def _write(model: OnnxClassifier, chunks: Iterator[tuple[np.ndarray, Any]], out: IO[str]) -> int:
+def _write(model: OnnxClassifier, chunks: Iterator[tuple[np.ndarray, Any]], out: IO[str], name: str) -> int:
     import pandas as pd
 
     rows, header = 0, True
     for x, passed in chunks:
         frame = model.frame(x)
+        finite = np.isfinite(frame.iloc[:, 1:].to_numpy(dtype=np.float64)).all(axis=1)
+        if not finite.all():
+            raise DataError(f"{name}: values in row {rows + int(np.argmin(finite)) + 1} are too large for the model "
+                            "(its float32 output overflows); rescale or drop that row")  # fmt: skip
         if passed is not None:
             frame = pd.concat([passed.reset_index(drop=True), frame], axis=1)
         frame.to_csv(out, index=False, header=header)  # a header-only input gets the header alone
@@ -247,14 +284,14 @@ def _write(model: OnnxClassifier, chunks: Iterator[tuple[np.ndarray, Any]], out:
     return rows
 
 
-def _write_stdout(model: OnnxClassifier, chunks: Iterator[tuple[np.ndarray, Any]]) -> int:
+def _write_stdout(model: OnnxClassifier, chunks: Iterator[tuple[np.ndarray, Any]], name: str) -> int:
     """Predict into an unnamed temporary file, then copy it to stdout: a bad row anywhere (or any other
     failure) prints nothing, and memory stays one chunk, the rest on disk in $TMPDIR. One pass over the
     input: checking it all first parses it twice (100k CSV rows: 1.01 s, against 0.85 s for this)."""
     stdout = sys.stdout
     # O_TMPFILE on Linux: the file never has a name, so even a SIGKILL leaves nothing behind
     with tempfile.TemporaryFile("w+", encoding=stdout.encoding, errors=stdout.errors, newline="") as spool:
-        rows = _write(model, chunks, spool)
+        rows = _write(model, chunks, spool, name)
         spool.flush()
         spool.seek(0)
         stdout.flush()
@@ -268,9 +305,9 @@ def predict_file(model: OnnxClassifier, source: Path, output: Path | None, chunk
     Either gets all the rows or none (stdout: but for a kill during the final copy). Returns the row count."""
     chunks = read_chunks(source, model, chunk_rows)
     if output is None:
-        return _write_stdout(model, chunks)
+        return _write_stdout(model, chunks, source.name)
     with atomic.atomic_path(output) as tmp, tmp.open("w", newline="") as out:
-        return _write(model, chunks, out)
+        return _write(model, chunks, out, source.name)
 
 
 def is_mlflow_uri(ref: str) -> bool:
