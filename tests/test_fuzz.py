@@ -758,3 +758,33 @@ def test_validate_cli(tmp_path: Path) -> None:
         nothing_unpickled()
 
     check()
+
+
+@FUZZ
+@given(blob=source_npz())
+def test_validate_reads_the_npz_sources_rows_or_leaves_it_to_generate(blob: bytes) -> None:
+    """`batchlab validate` counts an npz source's rows without a traceback on any file (an empty one
+    raised EOFError, one that is not a zip BadZipFile, a 0-d y TypeError): None leaves the naming
+    of what is wrong to generate."""
+    from batchlab.config.sections import DataConfig
+    from batchlab.validate import train_rows
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "data/raw").mkdir(parents=True)
+        (Path(folder) / "data/raw/x.npz").write_bytes(blob)
+        with quiet():
+            rows = train_rows(DataConfig(source="npz", npz_path="data/raw/x.npz"), Path(folder))
+    assert rows is None or rows >= 0
+    assert not TRAP_FILE.exists()
+
+
+@pytest.mark.parametrize(
+    "blob", [b"", b"PK\x03\x04", _npz(x=np.zeros((3, 2)), y=np.array(1))], ids=["empty", "zip-magic", "0-d-y"]
+)
+def test_validate_on_the_npz_files_that_raised(blob: bytes, tmp_path: Path) -> None:
+    from batchlab.config.sections import DataConfig
+    from batchlab.validate import train_rows
+
+    (tmp_path / "data/raw").mkdir(parents=True)
+    (tmp_path / "data/raw/x.npz").write_bytes(blob)
+    assert train_rows(DataConfig(source="npz", npz_path="data/raw/x.npz"), tmp_path) is None

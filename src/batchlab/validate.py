@@ -29,13 +29,17 @@ def train_rows(cfg: DataConfig, root: Path = Path(".")) -> int | None:
     if cfg.source in ("synthetic", "sequences"):
         rows = cfg.samples
     elif cfg.source == "npz":
+        import zipfile
+
         try:
             import numpy as np
 
-            with np.load(root / (cfg.npz_path or ""), allow_pickle=False) as arrays:
+            # opened here: np.load leaves the file it opened open when it is not a zip after all
+            with (root / (cfg.npz_path or "")).open("rb") as f, np.load(f, allow_pickle=False) as arrays:
                 rows = len(arrays["y"])
-        except (OSError, ValueError, KeyError):
-            return None  # generate names what is wrong with it
+        # empty (EOFError), not a zip, a 0-d y (TypeError): generate names what is wrong with it
+        except (OSError, ValueError, KeyError, EOFError, TypeError, zipfile.BadZipFile):
+            return None
     elif cfg.source == "csv":
         try:
             with (root / (cfg.csv_path or "")).open(newline="") as f:
