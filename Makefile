@@ -48,8 +48,12 @@ format: setup  ## ruff format, then ruff check --fix
 test: lint  ## lint, type-check, then the whole test suite
 	$(BIN)/python -m pytest
 
-test-fast: lint  ## lint, type-check, then the tests not marked slow (unit and in-process)
-	$(BIN)/python -m pytest -m "not slow"
+# pytest-xdist workers: one per core this process may use (nproc), at most 8 (each loads torch);
+# WORKERS=0 runs one process. A module that defines a module-scoped fixture runs on one worker
+# (tests/conftest.py's scheduler), so the fixture is built once.
+WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$((n < 8 ? n : 8)))
+test-fast: lint  ## lint, type-check, then the tests not marked slow (unit and in-process), on every core
+	$(BIN)/python -m pytest -m "not slow" -n $(WORKERS)
 
 bench: setup  ## speed and overhead tables -> benchmarks/results.json and docs/benchmarks.md
 	$(BIN)/python -m pip install -q -r benchmarks/requirements.txt -c requirements.lock

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -44,6 +46,52 @@ def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 
 def tiny_config(**override: dict[str, Any]) -> Config:
     return parse_config(merge(TINY, override))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A pytest-xdist worker runs its own torch operations on its share of the cores, as
+    threads.threads_per_process gives concurrent processes: with torch's default (every core) in
+    each of N workers, a test's tiny in-process ops waited on threads of a team that the other
+    workers had descheduled (test_gns_exact's dropout cases 0.5 s alone, 2.5-12 s beside another)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if workers.isdigit() and int(workers) > 1:
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(workers)))
+
+
+@functools.cache
+def _defines_a_shared_fixture(module: Path) -> bool:
+    """Whether a test module defines a module- or class-scoped fixture (its source read, not imported)."""
+    try:
+        tree = ast.parse(module.read_text())
+    except (OSError, SyntaxError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "fixture":
+            scopes = [kw.value for kw in node.keywords if kw.arg == "scope" and isinstance(kw.value, ast.Constant)]
+            if any(scope.value in ("module", "class") for scope in scopes):
+                return True
+    return False
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin nothing calls it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`-n N` (`make test-fast`) hands out tests one at a time as `--dist load` does, except that a
+    module defining a module- or class-scoped fixture goes to one worker whole, so the fixture is
+    built once, not once per worker: test_predict's pipeline is five CLI stages, ~10 s. (A mark
+    and `--dist loadgroup` would say the same, but pytest-xdist 3.8 renames the test to group it
+    through an attribute pytest 9.2 no longer reads, so groups are ignored.)"""
+    if config.getvalue("dist") != "load":
+        return None  # another --dist asked for by name
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if _defines_a_shared_fixture(config.rootpath / module) else nodeid
+
+    return ModuleFixtureScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import psutil
 import pytest
@@ -177,26 +178,50 @@ def test_busy_cores_sees_a_process_spinning_on_a_core() -> None:
         spinner.wait()
 
 
+# a process with no threads of its own busy: busy_cores over the window each line on stdin names
+SIBLING = """
+import sys
+from batchlab.training import threads
+print("ready", flush=True)
+for line in sys.stdin:
+    print(threads.busy_cores(window_s=float(line)), flush=True)
+"""
+
+
 def test_busy_cores_leaves_out_this_processs_own_threads() -> None:
-    """A thread of this process spinning on a core is not a competitor: auto would give up a thread for it.
-    Counted, it reads ~1 core more than without it. Other processes' load is measured in the same
-    rounds, without the spinner, so a busy machine moves both readings alike: the quietest round with
-    the spinner must not exceed the busiest round without it by half a core."""
+    """A thread of this process spinning on a core is not a competitor: auto would give up a thread
+    for it. A sibling process measures over the same window as this one, so both see the same load
+    of every other process: the sibling counts the spinner as a busy core, this process must not,
+    so its reading is lower by about the CPU this process used meanwhile (counted, they would read
+    the same). In each round the gap must be over half of that; the median round decides, so a
+    reading the two windows' small misalignment spoils cannot fail it."""
     stop = threading.Event()
 
     def spin() -> None:
         while not stop.is_set():
             pass
 
-    without, with_spinner = [], []
-    for _ in range(3):
-        without.append(threads.busy_cores(window_s=0.3))
-        spinner = threading.Thread(target=spin, daemon=True)
+    me = psutil.Process()
+    spinner = threading.Thread(target=spin, daemon=True)
+    sibling = subprocess.Popen([sys.executable, "-c", SIBLING], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)  # fmt: skip
+    assert sibling.stdin is not None and sibling.stdout is not None
+    rounds: list[tuple[float, float, float]] = []  # the sibling's reading, this process's, the CPU it used
+    try:
+        assert sibling.stdout.readline() == "ready\n"
         spinner.start()
-        try:
-            with_spinner.append(threads.busy_cores(window_s=0.3))
-        finally:
-            stop.set()
+        for _ in range(5):
+            sibling.stdin.write("0.4\n")
+            sibling.stdin.flush()
+            before, started = sum(me.cpu_times()[:2]), time.perf_counter()
+            mine = threads.busy_cores(window_s=0.4)
+            used = (sum(me.cpu_times()[:2]) - before) / (time.perf_counter() - started)
+            rounds.append((float(sibling.stdout.readline()), mine, used))
+    finally:
+        stop.set()
+        if spinner.is_alive():
             spinner.join()
-            stop.clear()
-    assert min(with_spinner) < max(without) + 0.5, (with_spinner, without)
+        sibling.kill()
+        sibling.wait()
+    margins = sorted(theirs - mine - used / 2 for theirs, mine, used in rounds)
+    assert margins[len(margins) // 2] > 0, rounds
