@@ -35,7 +35,7 @@ def train_rows(cfg: DataConfig, root: Path = Path(".")) -> int | None:
             import numpy as np
 
             # opened here: np.load leaves the file it opened open when it is not a zip after all
-            with (root / (cfg.npz_path or "")).open("rb") as f, np.load(f, allow_pickle=False) as arrays:
+            with (root / (cfg.npz_path or "")).open("rb") as raw, np.load(raw, allow_pickle=False) as arrays:
                 rows = len(arrays["y"])
         # empty (EOFError), not a zip, a 0-d y (TypeError): generate names what is wrong with it
         except (OSError, ValueError, KeyError, EOFError, TypeError, zipfile.BadZipFile):
