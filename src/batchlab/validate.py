@@ -30,6 +30,7 @@ def train_rows(cfg: DataConfig, root: Path = Path(".")) -> int | None:
         rows = cfg.samples
     elif cfg.source == "npz":
         import zipfile
+        import zlib
 
         try:
             import numpy as np
@@ -37,8 +38,8 @@ def train_rows(cfg: DataConfig, root: Path = Path(".")) -> int | None:
             # opened here: np.load leaves the file it opened open when it is not a zip after all
             with (root / (cfg.npz_path or "")).open("rb") as raw, np.load(raw, allow_pickle=False) as arrays:
                 rows = len(arrays["y"])
-        # empty (EOFError), not a zip, a 0-d y (TypeError): generate names what is wrong with it
-        except (OSError, ValueError, KeyError, EOFError, TypeError, zipfile.BadZipFile):
+        # empty (EOFError), not a zip, corrupt (zlib), a 0-d y (TypeError): generate names what is wrong
+        except (OSError, ValueError, KeyError, EOFError, TypeError, zipfile.BadZipFile, zlib.error):
             return None
     elif cfg.source == "csv":
         try:

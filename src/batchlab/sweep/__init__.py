@@ -7,6 +7,7 @@ probes      what an experiment measures besides training: solo speed, step memor
 state       a sweep's resume state (state.json)
 lock        one sweep at a time per folder
 groups      the seeds of a batch size trained together as one task; lanes
+preflight   a Dask sweep's checks before anything starts: store, Prefect, scheduler, TLS
 cluster     the experiments as Prefect tasks on a Dask cluster
 executors   local or Dask, decided once per sweep
 run         the whole sweep: plan, resume, parent run, report
