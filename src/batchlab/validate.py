@@ -29,8 +29,7 @@ def train_rows(cfg: DataConfig, root: Path = Path(".")) -> int | None:
     if cfg.source in ("synthetic", "sequences"):
         rows = cfg.samples
     elif cfg.source == "npz":
-        import zipfile
-        import zlib
+        from batchlab.data.sources import UNREADABLE_ARRAYS
 
         try:
             import numpy as np
@@ -38,8 +37,9 @@ def train_rows(cfg: DataConfig, root: Path = Path(".")) -> int | None:
             # opened here: np.load leaves the file it opened open when it is not a zip after all
             with (root / (cfg.npz_path or "")).open("rb") as raw, np.load(raw, allow_pickle=False) as arrays:
                 rows = len(arrays["y"])
-        # empty (EOFError), not a zip, corrupt (zlib), a 0-d y (TypeError): generate names what is wrong
-        except (OSError, ValueError, KeyError, EOFError, TypeError, zipfile.BadZipFile, zlib.error):
+        # what np.load raises on a bad file (the npz source's own list), no y, a 0-d y (TypeError):
+        # generate names what is wrong
+        except (*UNREADABLE_ARRAYS, KeyError, TypeError):
             return None
     elif cfg.source == "csv":
         try:
