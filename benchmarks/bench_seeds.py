@@ -10,13 +10,19 @@ together in ≤ 2x one seed's wall time. The "dropout 0" rows show what the drop
 each seed draws its own (one bernoulli_ per seed and layer, the draws its separate run makes),
 so they cost as much per seed together as apart.
 
+The CNN rows (issue #27) take the same sweep experiment's settings with the built-in CNN
+(params.yaml's channels [16, 32], dropout 0.1) on the digits as 8x8 images, batch 32: its seeds
+train together through vmap over functional_call (seeds/functional.py), not the MLP's kernels.
+
     python benchmarks/run_all.py --only seeds    # or `make bench`: results.json and the README tables
+    python benchmarks/bench_seeds.py --cnn       # the CNN rows alone, printed (nothing written)
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -35,6 +41,7 @@ SEEDS = (0, 1, 2, 3, 4)
 EPOCHS = 10
 REPEATS = 7
 TARGET = 2.0  # 5 seeds together in at most 2x one seed's wall time
+CNN_BATCH = 32
 OUT = REPO / "benchmarks" / "out" / "seeds.md"
 
 
@@ -71,13 +78,67 @@ def variants(cfgs: list[Config], plain: list[Config], dataset: Dataset) -> dict[
     }
 
 
-def main() -> dict[str, Any]:
-    torch.set_num_threads(1)
+def interleaved(runs: dict[str, Any], what: str) -> dict[str, list[float]]:
+    """Each variant's wall seconds, REPEATS times, the variants taking turns."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for repeat in range(REPEATS):
+        progress(f"seeds: {what}, repeat {repeat + 1}/{REPEATS}")
+        for name, call in runs.items():
+            times[name].append(seconds(call))
+    return times
+
+
+def cnn_rows(base: Config) -> dict[str, Any]:
+    """The CNN at batch CNN_BATCH: one seed, five one after another, five together (vmap)."""
+    cfg = base.model_copy(
+        update={"data": base.data.model_copy(update={"source": "digits_images"}),
+                "model": base.model.model_copy(update={"name": "cnn"})}
+    )  # fmt: skip
+    dataset = build(cfg.data)[0]
+    n_train = dataset.train.y.shape[0]
+    cfgs = configs(cfg, CNN_BATCH, n_train)
+    cpu, n = torch.device("cpu"), len(cfgs)
+    runs = {
+        "1 seed, fit()": lambda: fit(cfgs[0], dataset, Strategy(cpu)),
+        f"{n} seeds, fit() one after another": lambda: [fit(c, dataset, Strategy(cpu)) for c in cfgs],
+        f"{n} seeds together, fit_seeds() (vmap)": lambda: vectorized.fit_seeds(cfgs, dataset, Strategy(cpu)),
+    }
+    load_before = os.getloadavg()[0]
+    vectorized.fit_seeds(cfgs[:2], dataset, Strategy(cpu))  # torch.func's first calls: paid here
+    times = interleaved(runs, f"cnn batch {CNN_BATCH}")
+    median = {name: statistics.median(t) for name, t in times.items()}
+    load_after = os.getloadavg()[0]
+    table = Table(
+        f"Seeds trained together, the CNN: a sweep experiment's training, {EPOCHS} epochs over {n_train} "
+        f"8x8 digit images, CNN [16, 32], dropout 0.1, AdamW, noise scale on, 1 thread, wall seconds, median "
+        f"of {REPEATS}; load average {load_before:.2f} before, {load_after:.2f} after",
+        ["batch", "variant", "seconds", "vs 1 seed", "target ≤ 2× 1 seed"],
+    )
+    for name in runs:
+        ratio = median[name] / median["1 seed, fit()"]
+        target = verdict(ratio <= TARGET) if "together" in name else ""
+        table.add(CNN_BATCH, name, f"{median[name]:.2f}", f"{ratio:.2f}×", target)
+    return {"table": table, "seconds": times, "median_seconds": median,
+            "load_average_before": load_before, "load_average_after": load_after}  # fmt: skip
+
+
+def study_base() -> Config:
     base = load_config(REPO / "params.yaml")
-    base = base.model_copy(
+    return base.model_copy(
         update={"sweep": base.sweep.model_copy(update={"batch_sizes": list(BATCH_SIZES), "seeds": list(SEEDS),
                                                         "epochs": EPOCHS, "lr_multipliers": [1.0]})}
     )  # fmt: skip
+
+
+def print_table(table: Table) -> None:
+    print(f"**{table.title}**")
+    for row in table.rows:
+        print(" | ".join(row))
+
+
+def main() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    base = study_base()
     dataset = build(base.data)[0]
     n_train = dataset.train.y.shape[0]
     load_before = os.getloadavg()[0]
@@ -91,11 +152,7 @@ def main() -> dict[str, Any]:
     fit(configs(base, BATCH_SIZES[-1], n_train)[0], dataset, Strategy(torch.device("cpu")))
     for batch in BATCH_SIZES:
         runs = variants(configs(base, batch, n_train), configs(base, batch, n_train, dropout=0.0), dataset)
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        for repeat in range(REPEATS):
-            progress(f"seeds: batch {batch}, repeat {repeat + 1}/{REPEATS}")
-            for name, call in runs.items():
-                times[name].append(seconds(call))
+        times = interleaved(runs, f"batch {batch}")
         median = {name: statistics.median(t) for name, t in times.items()}
         for name in runs:
             ratio = median[name] / median["1 seed, fit(), dropout 0" if "dropout 0" in name else "1 seed, fit()"]
@@ -104,13 +161,19 @@ def main() -> dict[str, Any]:
         measured[str(batch)] = {"seconds": times, "median_seconds": median}
     load = {"load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
     table.title += f"; load average {load_before:.2f} before, {load['load_average_after']:.2f} after"
+    cnn = cnn_rows(base)
+    measured[f"cnn-{CNN_BATCH}"] = {k: v for k, v in cnn.items() if k != "table"}
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(f"**{table.title}**\n\n" + "\n".join(" | ".join(row) for row in table.rows) + "\n")
-    print(f"**{table.title}**")
-    for row in table.rows:
-        print(" | ".join(row))
-    return {"tables": [table.as_dict()], "measured": measured, **load}
+    OUT.write_text("\n\n".join(f"**{t.title}**\n\n" + "\n".join(" | ".join(row) for row in t.rows)
+                               for t in (table, cnn["table"])) + "\n")  # fmt: skip
+    for t in (table, cnn["table"]):
+        print_table(t)
+    return {"tables": [table.as_dict(), cnn["table"].as_dict()], "measured": measured, **load}
 
 
 if __name__ == "__main__":
-    main()
+    if "--cnn" in sys.argv[1:]:
+        torch.set_num_threads(1)
+        print_table(cnn_rows(study_base())["table"])
+    else:
+        main()

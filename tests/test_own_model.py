@@ -175,7 +175,7 @@ def test_a_users_module_goes_through_dvc_repro_the_sweep_and_predict(repo_copy: 
     (repo_copy / "dvc.lock").unlink()
     proc = run(["dvc", "repro"], repo_copy)
     said = proc.stdout + proc.stderr
-    assert "seeds train one after another: model.factory usermodels.residual:build: the stacked seed kernels" in said
+    assert "sweep: bs16-seed0, bs16-seed1 train together" in said  # through vmap (seeds/functional.py)
     summary = json.loads((repo_copy / "reports/sweep/sweep.json").read_text())
     assert summary["recommended_batch_size"] in (16, 64) and summary["b_simple_exact_at_target"] > 0
     proc = run(["batchlab", "predict", "--model", "models/model.onnx", "--input", "data/prepared/examples.npy"],

@@ -1,11 +1,10 @@
-"""The seeds' models as one (vectorized.py): stacked weights, a batched forward and backward.
+"""The seeds' MLPs as one (vectorized.py): a batched forward and a hand-written backward over
+the stacked weights (group.py).
 
-`torch.func.stack_module_state` stacks the seeds' weights into [S, ...] tensors; each seed's
-nn.Module stays, its parameters views of its slice, so its optimizer state, checkpoint and
-noise probe see the live weights. The forward is batched matrix products
-(baddbmm), not vmap(functional_call): for the [64, 64] MLP at batch 16-64, 5 seeds, a forward
-and backward took ~1.5x one seed's with baddbmm and ~3.4x through vmap (dispatch-bound sizes,
-1 thread, measured side by side); both give F.linear's numbers per seed.
+The forward is batched matrix products (baddbmm), not vmap(functional_call) (functional.py,
+for any other module): for the [64, 64] MLP at batch 16-64, 5 seeds, a forward and backward took
+~1.5x one seed's with baddbmm and ~3.4x through vmap (dispatch-bound sizes, 1 thread, measured
+side by side); both give F.linear's numbers per seed.
 
 The backward is written out, not taken by autograd: the MLP's graph is known, and each layer's
 gradient is the kernel autograd calls for a separate run's layer (addmm's, the activation's,
@@ -17,41 +16,16 @@ a separate run's. Without the autograd engine and its custom Functions a step of
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import stack_module_state
 
-from batchlab.config import Config
-from batchlab.tracking import Tracker
-from batchlab.training.checkpoint import Checkpoint, Trainee, TrainState
-from batchlab.training.gns import NoiseScale
-from batchlab.training.gns_probes import FullSplitProbe
+from batchlab.seeds.group import Seed, SeedGroup
 from batchlab.training.strategy import Strategy
 
-
-@dataclass
-class Seed:
-    """One seed of the group: what `fit` holds for a separate run."""
-
-    cfg: Config
-    index: int  # its place in the stacked tensors
-    trainee: Trainee  # its optimizer and schedule are kept in step with the group's for its checkpoint
-    state: TrainState
-    checkpoint: Checkpoint
-    tracker: Tracker
-    noise: NoiseScale
-    dropout: torch.Generator  # what `fit` seeds the global RNG with each epoch, for this seed alone
-    probe: FullSplitProbe | None = None
-    active: bool = True  # False once early stopping stopped it: its weights and figures stay as they are
-    curve_weights: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # train.curve_weights
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return list(self.trainee.model.parameters())
+__all__ = ["ACTIVATION_BACKWARD", "Seed", "StackedModels"]
 
 
 # What `backward` keeps of a layer: ("linear", input, weight, bias), ("dropout", mask) or
@@ -68,13 +42,11 @@ ACTIVATION_BACKWARD: dict[type[nn.Module], Callable[[Any, torch.Tensor, torch.Te
 }
 
 
-class StackedModels:
-    """The seeds' models as one: their weights in [S, ...] tensors, their gradients in one buffer."""
+class StackedModels(SeedGroup):
+    """The seeds' MLPs as one: a Sequential of Linear, dropout and activation layers."""
 
     def __init__(self, seeds: list[Seed], strategy: Strategy, train_rows: tuple[torch.Tensor, torch.Tensor]) -> None:
-        self.seeds, self.strategy, self.rows = seeds, strategy, 0
-        strategy.reset_peak_memory()
-        self.weights, _ = stack_module_state([s.trainee.model for s in seeds])
+        super().__init__(seeds, strategy, train_rows)
         # the Sequential's layers, looked up once: a Linear's (weight, bias) with their views as baddbmm
         # takes them (the optimizer steps the weights in place), a Dropout's p, an activation
         self.plan: list[tuple[tuple[torch.Tensor, ...] | None, float | None, nn.Module | None]] = []
@@ -88,25 +60,6 @@ class StackedModels:
                 self.plan.append((None, None, layer))
             else:
                 raise ValueError(f"seeds cannot train together through a {type(layer).__name__} layer")
-        # gradients as views of one buffer, as Strategy.setup does (`backward` writes every one of
-        # them each step). A parameter's block holds its [S, ...] gradient contiguously (the fused
-        # optimizers need that)
-        self.flat_grads = torch.zeros(sum(w.numel() for w in self.weights.values()), device=strategy.device)
-        self.blocks: list[torch.Tensor] = []  # [S, n] per parameter
-        offset = 0
-        for name, stacked in self.weights.items():
-            block = self.flat_grads[offset : offset + stacked.numel()].view(len(seeds), -1)
-            stacked.grad = block.view_as(stacked)
-            self.blocks.append(block)
-            for i, seed in enumerate(seeds):
-                param = seed.trainee.model.get_parameter(name)
-                param.data = stacked.detach()[i]  # the seed's module and optimizer see the stacked weights
-                param.grad = block[i].view_as(param)
-            offset += stacked.numel()
-        for seed in seeds:
-            if seed.noise.enabled:  # after the views: the probe reads the live weights
-                every = seed.cfg.train.gns_every
-                seed.probe = FullSplitProbe(seed.trainee.model, F.cross_entropy, *train_rows, every, rng=seed.dropout)
         # per dropout layer and shape: the masks' buffer and each seed's part of it, drawn into each step
         self.masks: dict[tuple[int, torch.Size], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.loss_grad: dict[int, float] = {}  # per row count: -1/rows as autograd's float32 mean backward has it
@@ -152,7 +105,6 @@ class StackedModels:
         """Each seed's gradient of its mean loss over its rows, written into the stacked weights'
         gradients; returns those losses, one 0-d tensor per seed."""
         rows = targets.shape[1]
-        self.rows = rows
         if rows not in self.loss_grad:
             self.loss_grad[rows] = -(torch.ones(()) / rows).item()
         tape: list[_Saved] = []
@@ -174,31 +126,9 @@ class StackedModels:
             else:
                 _, activation, h, out = saved
                 grad = ACTIVATION_BACKWARD[type(activation)](activation, grad, h, out)
-        per_seed = list(zip(self.seeds, inputs.unbind(), targets.unbind(), log_probs.unbind(), strict=True))
-        for seed, x, y, _ in per_seed:
-            if seed.probe is not None and seed.active:
-                seed.probe.after_backward(seed.noise.steps + 1, x, y)
+        self.after_backward(inputs, targets)
         # the figure a separate run records, bit for bit: nll_loss's mean sums in its own order
-        return [F.nll_loss(lp, y) for _, _, y, lp in per_seed]
-
-    def measure(self) -> torch.Tensor:
-        """Each seed's gradient norm, [S], given with the probe's measurement to its noise scale."""
-        # a seed's gradient lies in every parameter's block: gathered into one row per seed, whose
-        # norm is bit for bit the norm of a separate run's flat gradient buffer
-        norms = torch.linalg.vector_norm(torch.cat(self.blocks, dim=1), dim=1)
-        for seed, norm in zip(self.seeds, norms.unbind(), strict=True):
-            if seed.probe is not None and seed.active:
-                seed.noise.record_step(norm, seed.probe.small(seed.noise.steps + 1), self.rows)
-        return norms
-
-    def flat_weights(self) -> torch.Tensor:
-        """Every seed's weights as one row [S, P], in its module's parameter order (a copy)."""
-        return torch.cat([w.detach().reshape(len(self.seeds), -1) for w in self.weights.values()], dim=1)
-
-    def stepping(self, norms: torch.Tensor) -> list[bool]:
-        """The seeds that take this step: still training, with a finite gradient (`fit` skips the others)."""
-        finite = torch.isfinite(norms).tolist()  # on the CPU reading a value costs no sync
-        return [seed.active and ok for seed, ok in zip(self.seeds, finite, strict=True)]
+        return [F.nll_loss(lp, y) for lp, y in zip(log_probs.unbind(), targets.unbind(), strict=True)]
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor, chunk: int = 8192) -> torch.Tensor:

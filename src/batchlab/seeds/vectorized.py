@@ -1,13 +1,17 @@
 """Seeds trained together: fit_seeds(...) -> one TrainResult per seed, each what `fit` gives a separate run.
 
-The seeds' models are stacked into one set of [S, ...] tensors and trained by one batched
-forward and backward per step (stacked.py) and one optimizer step (optimizer.py). Each
+The seeds' models are stacked into one set of [S, ...] tensors (group.py) and trained by one
+batched forward and backward per step and one optimizer step (optimizer.py): the MLP's through
+hand-written kernels (stacked.py), any other module's through vmap over functional_call
+(functional.py; a model it cannot take, BatchNorm's for one, trains its seeds one after another
+with `fit`, saying why). Each
 seed keeps everything `fit` gives a separate run: its data order and initial weights
 (train.seed), its dropout masks (its own generator, seeded and drawn as `fit` draws them from
 the global RNG), its gradient norm and non-finite skip, noise scale, val curve, early stopping,
-history, best weights, checkpoint and tracker. In fp32 on the CPU the results equal separate
-runs within 1e-6 (tests/test_vectorized.py); on the machines here, bit for bit: the same
-kernels in the same order (stacked.py's linear backward, norm and loss are written for it).
+history, best weights, checkpoint and tracker. In fp32 on the CPU the MLP's results equal
+separate runs within 1e-6 (tests/test_vectorized.py); on the machines here, bit for bit: the same
+kernels in the same order (stacked.py's linear backward, norm and loss are written for it). Other
+modules' equal them within 1e-5 (tests/test_vectorized_generic.py): vmap batches some kernels.
 A seed's checkpoint holds its model, optimizer and schedule as `fit` writes them: either path
 resumes the other's.
 """
@@ -25,8 +29,10 @@ import torch.nn.functional as F
 from batchlab import collector
 from batchlab.config import Config, TrainConfig
 from batchlab.data import Dataset
+from batchlab.seeds.functional import FunctionalSeeds, why_apart
+from batchlab.seeds.group import Seed, SeedGroup
 from batchlab.seeds.optimizer import SeedOptimizer
-from batchlab.seeds.stacked import Seed, StackedModels
+from batchlab.seeds.stacked import StackedModels
 from batchlab.tracking import Tracker
 from batchlab.training.checkpoint import Checkpoint, TrainState
 from batchlab.training.epochs import (
@@ -47,6 +53,8 @@ from batchlab.training.support import seeds_train_apart
 from batchlab.training.train import (
     TrainResult,
     fingerprint,
+    fit,
+    initial_model,
     new_trainee,
     split_tensors,
 )
@@ -91,9 +99,16 @@ def fit_seeds(
     n_train = dataset.train.y.shape[0]
     steps = steps_per_epoch(n_train, tc.batch_size)
     batch_fits(tc.batch_size, n_train, "train.batch_size")
-    seeds = _restore(cfgs, dataset, strategy, steps, trackers or [Tracker() for _ in cfgs], checkpoints)
+    trackers = trackers or [Tracker() for _ in cfgs]
     x_train, y_train = split_tensors(dataset.train, strategy.device)
-    group = StackedModels(seeds, strategy, (x_train, y_train))
+    reason = model_trains_apart(cfgs[0], dataset, strategy, x_train[: tc.batch_size])
+    if reason is not None:
+        log.info("seeds %s train one after another: %s", ", ".join(str(c.train.seed) for c in cfgs), reason)
+        paths = checkpoints or [None for _ in cfgs]
+        return [fit(c, dataset, strategy, t, p) for c, t, p in zip(cfgs, trackers, paths, strict=True)]
+    seeds = _restore(cfgs, dataset, strategy, steps, trackers, checkpoints)
+    kind: type[SeedGroup] = StackedModels if cfgs[0].model.is_mlp() else FunctionalSeeds
+    group = kind(seeds, strategy, (x_train, y_train))
     optimizer = SeedOptimizer(tc, list(group.weights.values()), [seed.params for seed in seeds], steps)
     optimizer.load_from([seed.trainee for seed in seeds])
     x_val, y_val = split_tensors(dataset.val, strategy.device)
@@ -131,7 +146,7 @@ def _epoch(
     tc: TrainConfig,
     epoch: int,
     orders: torch.Tensor,
-    group: StackedModels,
+    group: SeedGroup,
     optimizer: SeedOptimizer,
     train: tuple[torch.Tensor, torch.Tensor],
     val: tuple[torch.Tensor, torch.Tensor],
@@ -149,7 +164,7 @@ def _epoch(
     for step in range(steps):
         rows = orders[:, step * tc.batch_size : (step + 1) * tc.batch_size]
         # index_select: the same rows as x_train[rows], at a fraction of advanced indexing's cost
-        inputs = x_train.index_select(0, rows.flatten()).view(*rows.shape, -1)
+        inputs = x_train.index_select(0, rows.flatten()).view(*rows.shape, *x_train.shape[1:])
         targets = y_train.index_select(0, rows.flatten()).view(rows.shape)
         losses += group.backward(inputs, targets)
         norms.append(group.measure())
@@ -251,6 +266,18 @@ def _result(seed: Seed, dataset: Dataset, strategy: Strategy) -> TrainResult:
         val_curve=state.val_curve,
         curve_weights=seed.curve_weights,
     )
+
+
+def model_trains_apart(cfg: Config, dataset: Dataset, strategy: Strategy, example: torch.Tensor) -> str | None:
+    """Why the seeds of this model cannot train together (functional.why_apart, tried on an untrained
+    model and a batch of rows `example`), or None; the MLP's kernels take every built-in MLP."""
+    if cfg.model.is_mlp():
+        return None
+    with torch.random.fork_rng(devices=[]):  # initial_model seeds the global RNG
+        model = initial_model(cfg, dataset.input_shape, dataset.n_classes, dataset.vocab).to(strategy.device)
+    reason = why_apart(model.train(), example)
+    model_key = f"model.factory {cfg.model.factory}" if cfg.model.factory else f"model.name {cfg.model.name}"
+    return None if reason is None else f"{model_key}: {reason}"
 
 
 def epochs_to_resume(cfgs: list[Config], dataset: Dataset, checkpoints: list[Path]) -> list[int]:

@@ -38,11 +38,10 @@ def describe(cfg: TrainConfig) -> dict[str, str]:
 
 def seeds_train_apart(config: Config) -> str | None:
     """Why the seeds of one sweep group cannot train together in one vectorized model
-    (seeds/vectorized.py), or None when they can: the built-in MLP, one process, fp32, no
-    accumulation, on the CPU."""
-    if not config.model.is_mlp():
-        model = f"model.factory {config.model.factory}" if config.model.factory else f"model.name {config.model.name}"
-        return f"{model}: the stacked seed kernels are the MLP's"
+    (seeds/vectorized.py), or None when they can: one process, fp32, no accumulation, on the CPU.
+    Any model may: the MLP through its own kernels, any other through vmap; what the config cannot
+    tell (a model.factory's BatchNorm) is found on the built model, whose seeds then train one
+    after another saying why (vectorized.model_trains_apart)."""
     cfg = config.train
     if cfg.adaptive_batch:
         return "train.adaptive_batch: each seed's batch follows its own noise-scale readings"
