@@ -217,7 +217,7 @@ def log_trained(
 
 
 def _register(cfg: Config, paths: Paths, tracker: tracking.Tracker, predictor_uri: str | None) -> None:
-    """Register the predictor (raw rows in) under tracking.registered_model, scored by evaluate's F1."""
+    """Register the predictor (raw examples in) under tracking.registered_model, scored by evaluate's F1."""
     scores = paths.reports / "metrics.json"  # a dependency of export: evaluate ran on this model
     headline = f"f1_{cfg.evaluate.average}"
     if predictor_uri and not scores.is_file():
@@ -252,8 +252,6 @@ def evaluate(cfg: Config, paths: Paths = Paths()) -> dict[str, float]:
 
 
 def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
-    import numpy as np
-
     from batchlab.inference import export as onnx
     from batchlab.inference import predict, quantize
     from batchlab.model import load_model
@@ -287,13 +285,9 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
                                  "int8_onnxruntime_full_us": int8["latency_us"]["int8_full"]})  # fmt: skip
             tracker.log_artifact(int8["file"], "export")
         tracker.log_onnx_model(paths.onnx)
-        predictor_uri = None
-        if dataset.kind == "rows":  # the predictor takes named columns; images and tokens go through predict
-            raw_rows = dataset.test.x[:5] * np.asarray(prep.std) + np.asarray(prep.mean)  # unscaled: the example
-            predictor_uri = tracker.log_predictor(paths.onnx, raw_rows)
-        elif run_id is not None:
-            log.info("export: no MLflow predictor for %s (it takes named columns): predict with models/model.onnx",
-                     dataset.kind)  # fmt: skip
+        # the predictor takes raw examples (rows by column name, images, token ids): its input example
+        raw = data.unscaled(dataset, {"mean": prep.mean, "std": prep.std}, dataset.test.x[:5])
+        predictor_uri = tracker.log_predictor(paths.onnx, raw)
         tracker.record_digests()  # every model of the run, train's included: `batchlab verify` checks them
         _register(cfg, paths, tracker, predictor_uri)
     log.info("export: %s, max |onnx - torch| = %.2e", paths.onnx, export_report["max_abs_diff"])

@@ -183,9 +183,9 @@ EXAMPLE_ROWS = 20
 
 
 def unscaled(dataset: Dataset, scaler: dict[str, list[float]], x: np.ndarray) -> np.ndarray:
-    """Prepared examples back to raw values (float64): what `batchlab predict` takes."""
+    """Prepared examples back to raw values (float64; token ids int64): what `batchlab predict` takes."""
     if dataset.kind == "tokens":
-        return x.astype(np.float64)
+        return x.astype(np.int64)
     shape = (1, -1, *([1] * (x.ndim - 2))) if dataset.kind == "images" else (1, -1)
     return x.astype(np.float64) * np.asarray(scaler["std"]).reshape(shape) + np.asarray(scaler["mean"]).reshape(shape)
 

@@ -1,5 +1,5 @@
 """Where examples come from, before the split: make_classification, scikit-learn's bundled sets, a
-CSV, your own arrays (.npz), the digits as images, a synthetic token-sequence task.
+CSV, your own arrays (.npz: rows, images or token ids), the digits as images, a synthetic token-sequence task.
 
 Each source gives a `Raw`: examples x of shape (N, ...) and labels, with what the rest of the
 pipeline needs to know about their kind: rows (N, F) are scaled per feature, images (N, C, H, W)
@@ -98,7 +98,8 @@ def sequences(cfg: DataConfig) -> Raw:
 
 
 def read_npz(path: Path) -> Raw:
-    """Your own arrays: `x` (N, F) rows, (N, H, W) or (N, C, H, W) images; `y` N labels."""
+    """Your own arrays: `x` (N, F) rows, (N, H, W) or (N, C, H, W) images; `y` N labels. With an
+    integer `vocab` beside them, x is (N, T) token ids 0 .. vocab-1 (for the transformer)."""
     if not path.is_file():
         raise DataError(f"data.npz_path {str(path)!r} does not exist")
     try:
@@ -108,10 +109,13 @@ def read_npz(path: Path) -> Raw:
                 raise DataError(f"{path.name} has no array {missing[0]!r}; it needs x (N, ...) and y (N labels), "
                                 f"has {arrays.files}")  # fmt: skip
             x, y = arrays["x"], arrays["y"]
+            vocab = arrays["vocab"] if "vocab" in arrays.files else None
     except UNREADABLE_ARRAYS as err:
         if isinstance(err, DataError):
             raise
         raise unreadable_array(path.name, "a readable .npz of plain arrays", err) from None
+    if vocab is not None:
+        x = token_ids(path.name, x, y, vocab)
     if y.ndim != 1 or x.ndim not in (2, 3, 4) or len(x) != len(y):
         raise DataError(f"{path.name}: x has shape {x.shape} and y {y.shape}; need x (N, F), (N, H, W) or "
                         "(N, C, H, W) and y (N,) with the same N")  # fmt: skip
@@ -134,9 +138,37 @@ def read_npz(path: Path) -> Raw:
         raise DataError(f"{path.name}: y has a single class ({classes[0]!r}); need at least 2")
     index = {c: i for i, c in enumerate(classes)}
     labels = np.asarray([index[v] for v in y.tolist()])
+    if vocab is not None:
+        return Raw(x, labels, [], [str(c) for c in classes], "tokens", int(vocab))
     if x.ndim == 2:
         return Raw(x, labels, [f"x{i}" for i in range(x.shape[1])], [str(c) for c in classes])
     return Raw(x if x.ndim == 4 else x[:, None], labels, [], [str(c) for c in classes], "images")
+
+
+# every prepared array is float32, which holds each integer up to 2**24 exactly: larger ids would merge
+MAX_VOCAB = 2**24
+
+
+def token_ids(name: str, x: np.ndarray, y: np.ndarray, vocab: np.ndarray) -> np.ndarray:
+    """An .npz's x as token ids (float64, as every source's x), checked against its `vocab`: x is
+    (N, T) integers, each in 0 .. vocab-1; one line naming what is wrong otherwise."""
+    if vocab.ndim != 0 or vocab.dtype == np.bool_ or not np.issubdtype(vocab.dtype, np.integer):
+        raise DataError(f"{name}: vocab must be one integer (the number of token ids), got {vocab.dtype} of "
+                        f"shape {vocab.shape}")  # fmt: skip
+    if not 2 <= int(vocab) <= MAX_VOCAB:
+        raise DataError(f"{name}: vocab must be between 2 and {MAX_VOCAB} (ids travel as float32), got {int(vocab)}")
+    if x.ndim != 2 or y.ndim != 1 or len(x) != len(y) or 0 in x.shape:
+        raise DataError(f"{name}: x has shape {x.shape} and y {y.shape}; token ids need x (N, T) and y (N,) with "
+                        "the same N, T at least 1")  # fmt: skip
+    if x.dtype == np.bool_ or not np.issubdtype(x.dtype, np.integer):
+        raise DataError(f"{name}: x holds {x.dtype} values, but with a vocab it is token ids: save it as integers "
+                        "(e.g. x.astype(np.int64))")  # fmt: skip
+    bad = (x < 0) | (x >= int(vocab))
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        raise DataError(f"{name}: x holds token id {int(x[row, col])} (example {row}, position {col}), outside "
+                        f"0 .. vocab-1 = 0 .. {int(vocab) - 1}")  # fmt: skip
+    return x.astype(np.float64)
 
 
 def _read_csv(path: Path, target: str) -> Raw:

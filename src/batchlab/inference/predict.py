@@ -38,6 +38,7 @@ class Preprocessing:
     std: list[float]
     kind: str = "rows"  # rows | images | tokens
     input_shape: list[int] | None = None  # one example's (None: rows of len(feature_names), as before)
+    vocab: int = 0  # tokens: the ids the network embeds, 0 .. vocab-1 (0: unknown, an older file)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -50,7 +51,7 @@ class Preprocessing:
             raise DataError(f"{path} holds no scaler; run `batchlab generate` (or `dvc repro generate`)")
         shape = meta.get("input_shape", [len(meta["feature_names"])])
         return cls(meta["feature_names"], meta["class_names"], meta["scaler"]["mean"], meta["scaler"]["std"],
-                   meta.get("kind", "rows"), shape)  # fmt: skip
+                   meta.get("kind", "rows"), shape, int(meta.get("vocab", 0)))  # fmt: skip
 
     @property
     def shape(self) -> tuple[int, ...]:

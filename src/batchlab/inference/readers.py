@@ -156,4 +156,17 @@ def _array_chunks(path: Path, model: OnnxClassifier, chunk_rows: int) -> Iterato
         elif not (finite := np.isfinite(x.reshape(len(x), -1)).all(axis=1)).all():
             bad = start + int(np.argmin(finite)) + 1
             raise DataError(f"{path.name}: NaN or infinite values in example {bad}; fix or drop it first")
+        if model.prep.kind == "tokens":
+            _check_token_ids(x, model.prep.vocab, path.name, start + 1)
         yield x, None
+
+
+def _check_token_ids(x: np.ndarray, vocab: int, name: str, first: int) -> None:
+    """Token ids are whole numbers the network embeds: 0 .. vocab-1 (onnxruntime's Gather fails in many
+    lines past the end, and the graph's cast would truncate 2.5 to id 2 without a word)."""
+    bad = (x != np.floor(x)) | (x < 0) | (x >= (vocab or np.inf))  # vocab 0: a file from before it was kept
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        ids = f"0 .. {vocab - 1}" if vocab else "whole numbers from 0"
+        raise DataError(f"{name}: example {first + row} holds {x[row, col]:g} at position {col}, not a token id "
+                        f"({ids})")  # fmt: skip

@@ -77,6 +77,7 @@ def builtin(cfg: ModelConfig, input_shape: tuple[int, ...], n_classes: int, voca
             raise ValueError(f"model.name cnn takes images (C, H, W); the data's examples have shape {input_shape}")
         return cnn(cfg, input_shape, n_classes)
     if len(input_shape) != 1 or vocab < 2:
-        raise ValueError(f"model.name transformer takes token sequences (data.source sequences); the data's "
-                         f"examples have shape {input_shape}{'' if vocab else ' and no vocabulary'}")  # fmt: skip
+        lacks = "" if vocab else " and no vocabulary"
+        raise ValueError(f"model.name transformer takes token sequences (data.source sequences, or an .npz with "
+                         f"a vocab); the data's examples have shape {input_shape}{lacks}")  # fmt: skip
     return TokenClassifier(cfg, input_shape[0], vocab, n_classes)

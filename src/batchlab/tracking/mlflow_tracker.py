@@ -177,11 +177,12 @@ class MlflowTracker(Tracker):
         import mlflow
         import onnx
 
+        from batchlab.tracking.pyfunc import onnx_signature
+
         def log_model() -> None:
             with logging_into(self.run_id):
-                mlflow.onnx.log_model(
-                    onnx.load(str(path)), name="onnx_model", pip_requirements=["onnxruntime", "numpy"]
-                )
+                mlflow.onnx.log_model(onnx.load(str(path)), name="onnx_model", signature=onnx_signature(Path(path)),
+                                      pip_requirements=["onnxruntime", "numpy"])  # fmt: skip
 
         self._persist("the ONNX model", log_model)
 

@@ -1,4 +1,5 @@
-"""The MLflow pyfunc model `batchlab export` logs as `predictor`: raw feature rows in, the class name and
+"""The MLflow pyfunc model `batchlab export` logs as `predictor`: raw examples in (feature rows by column
+name; images, an array (N, C, H, W) of float64; token ids, an array (N, T) of int64), the class name and
 one probability per class out (`mlflow models serve`, `mlflow.pyfunc.load_model`).
 
 MLflow's ONNX flavor returns the (N, classes) logits flattened into one column and needs scaled
@@ -29,21 +30,40 @@ class OnnxPredictor(PythonModel):
 
         self.session = ort.InferenceSession(context.artifacts["onnx"], providers=["CPUExecutionProvider"])
         prep = json.loads(self.session.get_modelmeta().custom_metadata_map[METADATA_KEY])
+        self.kind: str = prep.get("kind", "rows")
         self.features: list[str] = prep["feature_names"]
+        self.shape = tuple(prep.get("input_shape") or [len(self.features)])
+        self.vocab = int(prep.get("vocab", 0))
         self.classes = np.asarray(prep["class_names"], dtype=object)
-        self.mean = np.asarray(prep["mean"], dtype=np.float64)
-        self.std = np.asarray(prep["std"], dtype=np.float64)
+        per = (-1, *([1] * (len(self.shape) - 1))) if self.kind == "images" else (-1,)  # per channel of (C, H, W)
+        self.mean = np.asarray(prep["mean"], dtype=np.float64).reshape(per)
+        self.std = np.asarray(prep["std"], dtype=np.float64).reshape(per)
         self.input_name = self.session.get_inputs()[0].name
 
-    # pd.DataFrame: a type hint MLflow accepts without inferring a schema from it (the signature has one)
-    def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> Any:
-        frame = pd.DataFrame(model_input)
-        missing = [c for c in self.features if c not in frame.columns]
-        if missing:
-            raise ValueError(f"missing feature columns {missing}; the model takes {self.features}")
-        raw = frame[self.features].to_numpy(dtype=np.float64)
+    def _raw(self, model_input: Any) -> np.ndarray:
+        """The examples as float64: rows by column name, images and token ids as an array."""
+        if self.kind == "rows":
+            frame = pd.DataFrame(model_input)
+            missing = [c for c in self.features if c not in frame.columns]
+            if missing:
+                raise ValueError(f"missing feature columns {missing}; the model takes {self.features}")
+            raw = frame[self.features].to_numpy(dtype=np.float64)
+        else:
+            raw = np.asarray(model_input, dtype=np.float64)
+            if raw.shape[1:] != self.shape:
+                raise ValueError(
+                    f"examples of shape {raw.shape[1:]}; the model takes {self.kind} of shape {self.shape}"
+                )
         if not np.isfinite(raw).all():
-            raise ValueError("features hold missing, NaN or infinite values")
+            raise ValueError("the input holds missing, NaN or infinite values")
+        if self.kind == "tokens" and ((raw != np.floor(raw)) | (raw < 0) | (raw >= (self.vocab or np.inf))).any():
+            raise ValueError(f"token ids must be whole numbers 0 .. {self.vocab - 1}")
+        return raw
+
+    # pd.DataFrame: a type hint MLflow accepts without inferring a schema from it (the signature has one,
+    # a tensor's for images and tokens: those arrive as numpy arrays)
+    def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> Any:
+        raw = self._raw(model_input)
         x = ((raw - self.mean) / self.std).astype(np.float32)  # the arithmetic of batchlab.data.build
         logits = self.session.run(None, {self.input_name: x})[0].astype(np.float64)
         e = np.exp(logits - logits.max(axis=1, keepdims=True))

@@ -1,4 +1,5 @@
-"""The `predictor` pyfunc model (tracking/onnx_predictor.py): logged by export, fetched by `batchlab predict`."""
+"""The `predictor` pyfunc model (tracking/onnx_predictor.py): logged by export, fetched by `batchlab predict`;
+the signatures of the run's ONNX models."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -18,23 +20,38 @@ from batchlab.tracking.record import download, run_models
 PREDICTOR = "predictor"  # the logged model's name in the run
 CODE = Path(__file__).with_name("onnx_predictor.py")
 REGISTRY_DESCRIPTION = (
-    "batchlab's trained classifier as a pyfunc (ONNX): raw feature rows in, by column name (the signature "
-    "lists them); the class (`predicted`) and one `proba_<class>` column per class out. Serve it with "
+    "batchlab's trained classifier as a pyfunc (ONNX): raw examples in (feature rows by column name, as the "
+    "signature lists them; images or token ids as an array of the signature's shape and dtype); the class "
+    "(`predicted`) and one `proba_<class>` column per class out. Serve it with "
     "`mlflow models serve -m models:/<name>@champion`; `champion` is the version with the best test F1."
 )
+TAKES_TAG = "batchlab.predictor.takes"  # the run's tag: what its predictor takes, in a version's description
+EXAMPLE_DTYPES = {"images": np.float64, "tokens": np.int64}  # raw pixels as data.build reads them; ids
+
+
+def takes(kind: str, shape: tuple[int, ...]) -> str:
+    """What a predictor of examples of `kind` and `shape` takes, in words."""
+    if kind == "rows":
+        return "Raw feature rows"
+    dims = ", ".join(map(str, ("N", *shape)))
+    return f"{'Raw images' if kind == 'images' else 'Token ids'} ({dims}) {np.dtype(EXAMPLE_DTYPES[kind]).name}"
 
 
 def version_description(run_id: str) -> str:
     """A registered version's description: what it takes and gives, and where the torch model is."""
+    import mlflow
+
+    what = mlflow.MlflowClient().get_run(run_id).data.tags.get(TAKES_TAG, "Raw feature rows")
     return (
-        f"Raw feature rows in, class and probabilities out (ONNX, scaler inside). Logged by run {run_id}; "
+        f"{what} in, class and probabilities out (ONNX, preprocessing inside). Logged by run {run_id}; "
         f"its torch model (scaled float32 in, logits out) is runs:/{run_id}/torch_model."
     )
 
 
 def log_predictor(run_id: str, onnx_path: Path, example_rows: np.ndarray) -> str:
     """Log the ONNX model as the `predictor` pyfunc into run `run_id` (MlflowTracker.log_predictor
-    calls it); its model URI. `example_rows`: a few raw feature rows, the input example."""
+    calls it); its model URI. `example_rows`: a few raw examples (rows, images or token ids), the
+    input example: its shape and dtype are the signature's."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # logging loads the model back
     import mlflow
     from mlflow.models import infer_signature
@@ -42,9 +59,13 @@ def log_predictor(run_id: str, onnx_path: Path, example_rows: np.ndarray) -> str
     from batchlab.inference.predict import OnnxClassifier
 
     model = OnnxClassifier(onnx_path)
-    example = _frame(example_rows, model.prep.feature_names)
+    kind = model.prep.kind
+    # rows: a frame whose columns are the features; images and tokens: an array (a tensor signature)
+    example = _frame(example_rows, model.prep.feature_names) if kind == "rows" else (
+        np.asarray(example_rows, dtype=EXAMPLE_DTYPES[kind]))  # fmt: skip
     signature = infer_signature(example, model.frame(example_rows), params={"output": "all"})
     with logging_into(run_id):
+        mlflow.set_tag(TAKES_TAG, takes(kind, model.prep.shape))
         info = mlflow.pyfunc.log_model(
             name=PREDICTOR,
             python_model=str(CODE),
@@ -54,6 +75,23 @@ def log_predictor(run_id: str, onnx_path: Path, example_rows: np.ndarray) -> str
             pip_requirements=["onnxruntime", "numpy", "pandas", f"mlflow=={mlflow.__version__}"],
         )
     return str(info.model_uri)
+
+
+def onnx_signature(path: Path) -> Any:
+    """The ONNX graph's own signature (the `onnx_model` flavor's): its input, scaled float32 examples
+    with a dynamic batch axis (-1), and its logits."""
+    import onnx
+    from mlflow.models import ModelSignature
+    from mlflow.types import Schema, TensorSpec
+
+    graph = onnx.load(str(path)).graph
+
+    def spec(value: onnx.ValueInfoProto) -> TensorSpec:
+        tensor = value.type.tensor_type
+        dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in tensor.shape.dim)
+        return TensorSpec(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)), dims, value.name)
+
+    return ModelSignature(Schema([spec(v) for v in graph.input]), Schema([spec(v) for v in graph.output]))
 
 
 def _frame(rows: np.ndarray, columns: list[str]) -> object:

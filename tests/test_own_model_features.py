@@ -1,0 +1,316 @@
+"""Issue #27's features on the networks that are not the MLP: the CNN on the digits as images, the
+transformer on token sequences and a model.factory (usermodels/residual.py). Resume bit for bit, bf16
+and accumulation, a DDP rank restart, the MLflow predictor (signature, registry, pyfunc predict), and
+token ids from an .npz."""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from batchlab import data, stages
+from batchlab.config import ConfigError, load_config
+from batchlab.data import DataError, Dataset
+from batchlab.model import build_model
+from batchlab.training.strategy import Strategy
+from batchlab.training.train import fit
+from tests.conftest import REPO, TINY, env_with_venv, merge, run, set_params, tiny_config, write_params
+from tests.test_train import StopAfter
+
+CPU = Strategy(torch.device("cpu"))
+IMAGES = {"data": {"source": "digits_images"}, "model": {"name": "cnn", "channels": [4, 8], "dropout": 0.1}}
+TOKENS = {
+    "data": {"source": "sequences", "samples": 900, "classes": 3},
+    "model": {"name": "transformer", "d_model": 16, "heads": 2, "layers": 1, "dropout": 0.1},
+}
+FACTORY = {  # GroupNorm and a global average: slower to learn the digits than the CNN at lr 0.01
+    "data": {"source": "digits_images"},
+    "model": {"factory": "usermodels.residual:build", "kwargs": {"width": 8}},
+    "train": {"lr": 0.05},
+}
+MODELS: dict[str, dict[str, dict[str, Any]]] = {"cnn": IMAGES, "transformer": TOKENS, "factory": FACTORY}
+
+
+@functools.cache
+def _dataset(kind: str) -> Dataset:
+    return data.build(tiny_config(**MODELS[kind]).data)[0]
+
+
+def _config(kind: str, **train: Any) -> Any:
+    """The tiny config of `kind`'s network, with these train keys (and model keys under `model`)."""
+    model = train.pop("model", {})
+    return tiny_config(**merge(MODELS[kind], {"train": train, "model": model}))
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    wa, wb = _weights(a), _weights(b)
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
+def _without_key_bias(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights but attention's key bias: softmax ignores a constant added to every key's score,
+    so the loss has no gradient there, and Adam turns the rounding noise it gets instead into steps of
+    about +-lr (4e-3 apart after 2 epochs here, with logits within 1e-6)."""
+    out = dict(weights)
+    for name, value in weights.items():
+        if name.endswith("self_attn.in_proj_bias"):
+            d = value.shape[0] // 3  # query, key, value
+            out[name] = torch.cat([value[:d], value[2 * d :]])
+    return out
+
+
+def _test_accuracy(model: torch.nn.Module, dataset: Dataset) -> float:
+    with torch.no_grad():
+        predicted = model.eval()(torch.from_numpy(dataset.test.x)).argmax(1).numpy()
+    return float((predicted == dataset.test.y).mean())
+
+
+class Seen:
+    """A tracker that keeps the epochs this process trained."""
+
+    run_id = None
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def log_epoch(self, metrics: Mapping[str, float], step: int) -> None:
+        self.steps.append(step)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """These fits run in this process: with torch's default (every core) its threads spun against the
+    busy cores of a loaded machine, ~10x slower than one thread here (../shared/PITFALLS.md, torch)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def at_repo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """model.factory imports usermodels/ from the working directory, as the stages do."""
+    monkeypatch.chdir(REPO)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_resume_after_an_interruption_ends_with_the_same_weights_bit_for_bit(
+    kind: str, tmp_path: Path, at_repo: None
+) -> None:
+    cfg, dataset = _config(kind, epochs=4, schedule="cosine"), _dataset(kind)
+    expected = fit(cfg, dataset, CPU)
+    checkpoint = tmp_path / "ckpt.pt"
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C in epoch 3, after epoch 2's checkpoint
+        fit(cfg, dataset, CPU, tracker=StopAfter(2), checkpoint=checkpoint)  # type: ignore[arg-type]
+    assert torch.load(checkpoint, weights_only=True)["state"]["epoch"] == 2
+    seen = Seen()
+    resumed = fit(cfg, dataset, CPU, tracker=seen, checkpoint=checkpoint)  # type: ignore[arg-type]
+    assert seen.steps == [3, 4]  # it went on from the checkpoint (a fresh start ends equal too)
+    assert [r["epoch"] for r in resumed.history] == [1, 2, 3, 4]
+    want, got = _weights(expected.model), _weights(resumed.model)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert resumed.history[-1]["val_loss"] == expected.history[-1]["val_loss"]
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_bf16_trains_to_fp32s_test_accuracy_and_accumulation_equals_the_big_batch(kind: str, at_repo: None) -> None:
+    dataset = _dataset(kind)
+    fp32 = fit(_config(kind, epochs=4), dataset, CPU)
+    bf16 = fit(_config(kind, epochs=4, precision="bf16"), dataset, Strategy(torch.device("cpu"), precision="bf16"))
+    assert _max_diff(fp32.model, bf16.model) > 1e-4  # it really ran in bf16
+    assert _test_accuracy(fp32.model, dataset) > 0.8
+    assert abs(_test_accuracy(bf16.model, dataset) - _test_accuracy(fp32.model, dataset)) <= 0.03
+    assert bf16.history[-1]["val_loss"] == pytest.approx(fp32.history[-1]["val_loss"], rel=0.1)
+    # accumulation: no dropout, whose masks depend on how the batch is cut
+    one = fit(_config(kind, epochs=2, model={"dropout": 0.0}), dataset, CPU).model
+    cfg = _config(kind, epochs=2, grad_accum_steps=4, model={"dropout": 0.0})
+    accumulated = fit(cfg, dataset, Strategy(torch.device("cpu"), grad_accum_steps=4)).model
+    want, got = _without_key_bias(_weights(one)), _without_key_bias(_weights(accumulated))
+    assert max((want[k] - got[k]).abs().max().item() for k in want) < 1e-5
+    x = torch.from_numpy(dataset.test.x)
+    with torch.no_grad():
+        assert (one.eval()(x) - accumulated.eval()(x)).abs().max().item() < 1e-5
+
+
+@pytest.mark.slow
+def test_a_killed_cnn_rank_is_restarted_and_resumes_to_the_same_weights(repo_copy: Path) -> None:
+    from tests.test_ddp import DDP, _rank_process, _wait_for_epoch
+    from tests.test_ddp import _max_diff as max_diff
+    from tests.test_ddp import _weights as weights
+
+    set_params(repo_copy, "data", source="digits_images")
+    set_params(repo_copy, "model", name="cnn", channels=[4, 8], dropout=0.1)
+    set_params(repo_copy, "train", **DDP, epochs=20, batch_size=16, max_restarts=1)
+    run(["batchlab", "generate"], repo_copy)
+    run(["batchlab", "train"], repo_copy)
+    expected = weights(repo_copy)
+    (repo_copy / "models/model.pt").unlink()
+
+    launcher = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env_with_venv(), stderr=subprocess.PIPE)
+    _wait_for_epoch(repo_copy / ".batchlab/checkpoints/train.pt", 3, launcher)
+    _rank_process(launcher, 1).kill()
+    _, err = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, err.decode()[-3000:]
+    assert "resuming from" in err.decode()
+    assert max_diff(expected, weights(repo_copy)) == 0.0
+
+
+PIPELINES = {
+    "images": (IMAGES, "float64", (-1, 1, 8, 8), "Raw images (N, 1, 8, 8) float64"),
+    "tokens": (TOKENS, "int64", (-1, 16), "Token ids (N, 16) int64"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", PIPELINES)
+def test_the_mlflow_predictor_of_images_and_tokens_has_their_shape_registers_and_predicts_as_predict_does(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    import mlflow
+
+    params, dtype, shape, takes = PIPELINES[kind]
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    tracked = {"tracking": {"enabled": True, "tracking_uri": uri, "registered_model": f"batchlab-{kind}"}}
+    write_params(workdir, merge(merge(TINY, params), tracked))
+    for stage in ("generate", "train", "evaluate", "export"):
+        run(["batchlab", stage], workdir)
+    run_id = json.loads((workdir / "reports/train.json").read_text())["run_id"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # undone after the test (set_tracking_uri exports it)
+    mlflow.set_tracking_uri(uri)
+
+    n_classes = len(json.loads((workdir / "data/prepared/dataset.json").read_text())["class_names"])
+    signature = mlflow.models.get_model_info(f"runs:/{run_id}/predictor").signature
+    [spec] = signature.inputs.inputs
+    assert (spec.type, spec.shape) == (np.dtype(dtype), shape)
+    assert signature.outputs.input_names() == ["predicted", *(f"proba_{c}" for c in range(n_classes))]
+    graph = mlflow.models.get_model_info(f"runs:/{run_id}/onnx_model").signature  # the graph's own: scaled float32
+    [features], [logits] = graph.inputs.inputs, graph.outputs.inputs
+    assert (features.name, features.type, features.shape) == ("features", np.dtype("float32"), shape)
+    assert (logits.name, logits.shape) == ("logits", (-1, n_classes))
+
+    version = mlflow.MlflowClient().get_model_version_by_alias(f"batchlab-{kind}", "champion")
+    assert str(version.version) == "1" and version.description.startswith(f"{takes} in, class and probabilities out")
+    examples = np.load(workdir / "data/prepared/examples.npy")
+    assert examples.dtype == np.dtype(dtype) and examples.shape == (20, *shape[1:])
+    answer = mlflow.pyfunc.load_model(f"models:/batchlab-{kind}@champion").predict(examples)
+    run(["batchlab", "predict", "--model", "models/model.onnx", "--input", "data/prepared/examples.npy", "--output",
+         "local.csv"], workdir)  # fmt: skip
+    expected = pd.read_csv(workdir / "local.csv", dtype={"predicted": str}, float_precision="round_trip")
+    pd.testing.assert_frame_equal(answer, expected, check_dtype=False)  # the same classes and probabilities
+    fetched = run(["batchlab", "predict", "--model", f"models:/batchlab-{kind}@champion", "--input",
+                   "data/prepared/examples.npy"], workdir)  # fmt: skip
+    assert fetched.stdout == (workdir / "local.csv").read_text()
+    with pytest.raises(mlflow.exceptions.MlflowException, match=f"does not match expected dtype {dtype}"):
+        mlflow.pyfunc.load_model(f"models:/batchlab-{kind}@champion").predict(examples.astype(np.float32))
+
+
+def _save(path: Path, **arrays: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, **arrays)
+
+
+def _ids(n: int = 400, length: int = 12, vocab: int = 6) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and a label a transformer learns: whether id 0 occurs more often than id 1."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, vocab, size=(n, length))
+    return x, ((x == 0).sum(1) > (x == 1).sum(1)).astype(np.int64)
+
+
+NPZ_TOKENS = {"data": {"source": "npz", "npz_path": "data/raw/ids.npz"},
+              "model": {"name": "transformer", "d_model": 16, "heads": 2, "layers": 1}}  # fmt: skip
+
+
+def test_npz_token_ids_stay_ids_train_the_transformer_and_predict_refuses_ids_outside_the_vocab(
+    workdir: Path,
+) -> None:
+    x, y = _ids()
+    _save(workdir / "data/raw/ids.npz", x=x, y=y, vocab=np.int64(6))
+    write_params(workdir, merge(merge(TINY, NPZ_TOKENS), {"train": {"epochs": 8}}))
+    run(["batchlab", "validate"], workdir)
+    cfg = load_config(workdir / "params.yaml")
+    stages.generate(cfg)
+    dataset = data.load("data/prepared")
+    assert (dataset.kind, dataset.vocab, dataset.input_shape) == ("tokens", 6, (12,))
+    # not scaled: the prepared rows of the three splits are x's rows, as they were
+    prepared = np.concatenate([dataset.train.x, dataset.val.x, dataset.test.x])
+    assert sorted(map(tuple, prepared.astype(np.int64).tolist())) == sorted(map(tuple, x.tolist()))
+    assert (prepared == prepared.astype(np.int64)).all()
+    stages.train(cfg)
+    assert stages.evaluate(cfg)["accuracy"] > 0.8
+    stages.export(cfg)
+    examples = np.load("data/prepared/examples.npy")
+    assert examples.dtype == np.int64 and examples.shape == (20, 12)
+    proc = run(["batchlab", "predict", "--model", "models/model.onnx", "--input", "data/prepared/examples.npy"],
+               workdir)  # fmt: skip
+    assert len(proc.stdout.splitlines()) == 21
+    for value, said in ((6, "6"), (-1, "-1"), (2.5, "2.5")):
+        bad = examples.astype(np.float64)
+        bad[3, 7] = value
+        np.save(workdir / "bad.npy", bad)
+        proc = run(["batchlab", "predict", "--model", "models/model.onnx", "--input", "bad.npy"], workdir, check=False)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+            f"batchlab: error: bad.npy: example 4 holds {said} at position 7, not a token id (0 .. 5)"
+        ], proc.stderr
+
+
+BAD_TOKENS = {
+    "float ids": ({"x": _ids()[0].astype(np.float64)}, "ids.npz: x holds float64 values, but with a vocab it is "
+                  "token ids: save it as integers (e.g. x.astype(np.int64))"),
+    "an id past the vocab": ({"x": np.where(np.arange(4800).reshape(400, 12) == 41, 6, _ids()[0])},
+                             "ids.npz: x holds token id 6 (example 3, position 5), outside 0 .. vocab-1 = 0 .. 5"),
+    "a negative id": ({"x": np.where(np.arange(4800).reshape(400, 12) == 13, -2, _ids()[0])},
+                      "ids.npz: x holds token id -2 (example 1, position 1), outside 0 .. vocab-1 = 0 .. 5"),
+    "images with a vocab": ({"x": _ids()[0].reshape(400, 2, 6)}, "ids.npz: x has shape (400, 2, 6) and y (400,); "
+                            "token ids need x (N, T) and y (N,) with the same N, T at least 1"),
+    "a vocab of one": ({"vocab": np.int64(1)},
+                       "ids.npz: vocab must be between 2 and 16777216 (ids travel as float32), got 1"),
+    "a float vocab": ({"vocab": np.float64(6)},
+                      "ids.npz: vocab must be one integer (the number of token ids), got float64 of shape ()"),
+    "a vocab array": ({"vocab": np.array([6, 6])},
+                      "ids.npz: vocab must be one integer (the number of token ids), got int64 of shape (2,)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_TOKENS)
+def test_bad_npz_token_ids_are_one_line_naming_the_file(workdir: Path, case: str) -> None:
+    x, y = _ids()
+    arrays, message = BAD_TOKENS[case]
+    _save(workdir / "data/raw/ids.npz", **{"x": x, "y": y, "vocab": np.int64(6), **arrays})
+    with pytest.raises(DataError) as err:
+        data.build(tiny_config(**NPZ_TOKENS).data)
+    assert str(err.value) == message
+
+
+def test_generate_refuses_bad_token_ids_in_one_line_and_the_transformer_names_the_missing_vocab(
+    workdir: Path,
+) -> None:
+    x, y = _ids()
+    _save(workdir / "data/raw/ids.npz", x=x.astype(np.float32), y=y, vocab=np.int64(6))
+    write_params(workdir, merge(TINY, NPZ_TOKENS))
+    proc = run(["batchlab", "generate"], workdir, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "batchlab: error: ids.npz: x holds float32 values, but with a vocab it is token ids: save it as integers "
+        "(e.g. x.astype(np.int64))"
+    ], proc.stderr
+    _save(workdir / "data/raw/ids.npz", x=x, y=y)  # no vocab: integer columns are rows, scaled per feature
+    dataset = data.build(tiny_config(**NPZ_TOKENS).data)[0]
+    assert dataset.kind == "rows" and abs(float(dataset.train.x.mean())) < 1e-5
+    with pytest.raises(ConfigError) as err:
+        build_model(tiny_config(**NPZ_TOKENS).model, dataset.input_shape, dataset.n_classes, dataset.vocab)
+    assert str(err.value) == (
+        "model.name transformer takes token sequences (data.source sequences, or an .npz with a vocab); the data's "
+        "examples have shape (12,) and no vocabulary"
+    )
