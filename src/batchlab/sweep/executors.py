@@ -5,12 +5,19 @@
 
 `for_sweep` checks, before anything runs, what the executor needs; `run` takes the experiments
 still to do and returns their result rows by name, as run.finish expects them.
+
+The local executor stops what it starts: on Ctrl-C, SIGTERM or a failed experiment no queued
+experiment starts and the running ones' processes are stopped before the sweep exits.
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import os
+import signal
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +29,10 @@ from batchlab.sweep.experiment import Experiment
 Results = dict[str, dict[str, Any]]
 # runs the experiments still to do and returns their result rows by name
 Runner = Callable[[Config, list[Experiment], Paths, str | None], Results]
+# a Ctrl-C at a terminal reaches the experiments' processes too: they end on their own within this
+ON_THEIR_OWN_S = 5.0
+# an experiment's process told to stop ends its MLflow run KILLED and keeps its checkpoint within this
+STOP_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -32,16 +43,48 @@ class Executor:
 
 def run_local(cfg: Config, todo: list[Experiment], paths: Paths, parent_run_id: str | None) -> Results:
     """`sweep.parallel` groups at once on this machine (each in its own process when above one)."""
-    with ThreadPoolExecutor(max_workers=cfg.sweep.parallel) as pool:
-        # the seeds of one batch size and lr train together (groups.py); alone where they cannot
-        together = groups.groups(cfg, todo)
-        futures = [pool.submit(groups.run_group, cfg, group, paths, parent_run_id) for group in together]
-        results: Results = {}
+    # the seeds of one batch size and lr train together (groups.py); alone where they cannot
+    together = groups.groups(cfg, todo)
+    results: Results = {}
+    if cfg.sweep.parallel == 1:  # in this thread: Ctrl-C and SIGTERM interrupt the training itself
+        for group in together:
+            done = groups.run_group(cfg, group, paths, parent_run_id)
+            results.update(done)
+            progress.finished(done)
+        return results
+    pool = ThreadPoolExecutor(max_workers=cfg.sweep.parallel)
+    futures = [pool.submit(groups.run_group, cfg, group, paths, parent_run_id) for group in together]
+    try:
         for future in as_completed(futures):
             done = future.result()
             results.update(done)
             progress.finished(done)
-        return results
+    except BaseException:
+        # a pool thread cannot be interrupted, and it waits on its experiment's process: without this
+        # an interrupted (or failed) sweep went on to run every queued experiment before it exited
+        _stop(pool, futures)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    return results
+
+
+def _stop(pool: ThreadPoolExecutor, futures: list[Future[Any]]) -> None:
+    """No queued group starts; a running one's process is told to stop as Ctrl-C would, unless it
+    stops on its own first (a terminal's Ctrl-C reached it too: a second signal would cut short its
+    run's ending), and is killed if it has not ended within STOP_S."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    running = [f for f in futures if not f.done()]
+    if not wait(running, timeout=ON_THEIR_OWN_S).not_done:
+        return
+    processes = multiprocessing.active_children()  # threads.in_fresh_process's, one per running group
+    for process in processes:
+        if process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGINT)
+    if wait(running, timeout=STOP_S).not_done:
+        for process in multiprocessing.active_children():
+            process.kill()
 
 
 def for_sweep(cfg: Config, local: Runner = run_local) -> Executor:

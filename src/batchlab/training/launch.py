@@ -3,8 +3,10 @@ and which threads policy (threads.py) each stage's process applies."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -99,7 +101,41 @@ def uses_torchrun(cfg: TrainConfig) -> bool:
 
 
 def launch(cfg: TrainConfig, stage_args: list[str], cwd: Path, run_id: str | None) -> None:
-    """Run `batchlab <stage_args>` on every rank of this machine, in `cwd`; raise LaunchError on failure."""
-    code = subprocess.run(launch_command(cfg, stage_args), env=worker_env(cfg, run_id), cwd=cwd).returncode
+    """Run `batchlab <stage_args>` on every rank of this machine, in `cwd`; raise LaunchError on failure.
+    torchrun gets a session of its own, so a terminal's Ctrl-C reaches this process only, which tells
+    torchrun once (a second signal cuts its shutdown of the ranks short)."""
+    cmd = launch_command(cfg, stage_args)
+    proc = subprocess.Popen(cmd, env=worker_env(cfg, run_id), cwd=cwd, start_new_session=True)
+    try:
+        while (code := _waited(proc)) is None:
+            pass
+    except BaseException:  # Ctrl-C, SIGTERM, an interrupted Dask sweep's stop (sweep/stop.py)
+        _stop(proc)
+        raise
     if code != 0:
         raise LaunchError(f"distributed training failed: torchrun exited {code} (the failing rank's error is above)")
+
+
+def _waited(proc: subprocess.Popen[bytes]) -> int | None:
+    """Its exit status, or None after a second: a wait in Python, not one blocking system call, so an
+    exception raised in this thread from another (sweep/stop.py) gets in."""
+    try:
+        return proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+# torchrun gives its ranks 30 s to end after it is told to stop, then kills them
+STOP_S = 60
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Tell torchrun to stop its ranks, and wait until it has. Its ranks run in sessions of their
+    own: subprocess.run's SIGKILL of torchrun on Ctrl-C left them training, with no parent."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
