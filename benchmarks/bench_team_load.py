@@ -9,6 +9,7 @@ Needs PostgreSQL at 127.0.0.1:5432 (trust auth, user postgres), as the tests do.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -17,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -44,7 +46,8 @@ def _writer(uri: str, name: str, barrier: Any, out: Any, going: Any, folder: str
     latencies = []
     try:
         with tracking.run(TrackingConfig(enabled=True, experiment="load", tracking_uri=uri), name=name) as t:
-            barrier.wait()
+            with contextlib.suppress(threading.BrokenBarrierError):  # a writer that died at start
+                barrier.wait(timeout=300)
             going.set()
             for epoch in range(1, EPOCHS + 1):
                 started = time.perf_counter()
@@ -94,7 +97,7 @@ def _one(n: int, restart: bool) -> dict[str, Any]:
     admin = psycopg2.connect(host="127.0.0.1", port=5432, user="postgres", dbname="postgres")
     admin.autocommit = True
     admin.cursor().execute(f"CREATE DATABASE {db}")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         import socket
 
         with socket.socket() as s:
@@ -163,6 +166,9 @@ def main() -> dict[str, Any]:
             progress(f"team load: {n} runs{', server restarted' if restart else ''}")
             load = os.getloadavg()[0]
             row = _one(n, restart)
+            progress(f"  {json.dumps({k: v for k, v in row.items() if k != 'failed'})}")  # kept if a later row fails
+            for name, error, _ in row["failed"]:
+                progress(f"  {name} failed: {error}")
             rows.append({**row, "load_before": load})
             table.add(n, "restarted" if restart else "up", row["sent"], row["stored"], row["kept_unrecorded"],
                       f"{row['finished']}/{n}", f"{row['p50_ms']:.0f}", f"{row['p95_ms']:.0f}", f"{row['p99_ms']:.0f}",

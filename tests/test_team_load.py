@@ -8,7 +8,9 @@ import json
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
+import mlflow.pyfunc
 import pytest
 from mlflow import MlflowClient
 
@@ -86,3 +88,56 @@ def test_six_runs_logging_the_same_dataset_at_a_barrier_on_postgresql_all_log_it
         log = (tmp_path / "server.log").read_text()
         raced = log.count("UniqueViolation")
         print(f"the server turned down {raced} duplicate dataset inserts")
+
+
+class _Constant(mlflow.pyfunc.PythonModel):
+    def predict(self, context: Any, model_input: list[Any]) -> list[Any]:
+        return model_input
+
+
+def _register_at_once(uri: str, source: str, score: float, barrier: Any, answers: Any) -> None:
+    """One export's registration: wait for the others, then add a version scored `score`."""
+    from batchlab import tracking
+    from batchlab.tracking import registry
+
+    tracking.quiet_mlflow()
+    client = MlflowClient(uri)
+    try:
+        mlflow.set_tracking_uri(uri)
+        barrier.wait()
+        answers.put((score, *registry.register(client, "racers", source, {"f1": f"{score:.6f}"}, "f1")))
+    except Exception as err:  # the answer the parent asserts on
+        answers.put((score, f"{type(err).__name__}: {str(err)[:200]}", False))
+
+
+def test_eight_exports_registering_at_once_get_eight_versions_and_the_best_is_champion(tmp_path: Path) -> None:
+    """Eight registrations released at a barrier: each gets its own version (MLflow's number
+    clash is tried again) and the champion alias ends on the best score, whatever order the
+    reads and writes of the alias interleave in (without settling, the last writer won)."""
+    import multiprocessing
+
+    from batchlab import tracking
+
+    scores = [0.61, 0.93, 0.72, 0.55, 0.88, 0.97, 0.64, 0.80]
+    with mlflow_on_postgres(tmp_path) as server:
+        client = MlflowClient(server.uri)
+        mlflow.set_tracking_uri(server.uri)
+        with mlflow.start_run(experiment_id=client.create_experiment("exports")) as made:
+            mlflow.pyfunc.log_model(name="model", python_model=_Constant(), pip_requirements=[])
+        source = f"runs:/{made.info.run_id}/model"  # one logged model, registered eight times
+        context = multiprocessing.get_context("spawn")
+        barrier, answers = context.Barrier(len(scores)), context.Queue()
+        racers = [
+            context.Process(target=_register_at_once, args=(server.uri, source, s, barrier, answers)) for s in scores
+        ]
+        for racer in racers:
+            racer.start()
+        got = sorted(answers.get(timeout=300) for _ in racers)
+        for racer in racers:
+            racer.join(timeout=60)
+        assert all(version.isdigit() for _, version, _ in got), got
+        assert sorted(int(version) for _, version, _ in got) == list(range(1, len(scores) + 1))
+        champion = client.get_model_version_by_alias("racers", tracking.CHAMPION)
+        best = max(got)
+        assert champion.version == best[1] and champion.tags["f1"] == f"{max(scores):.6f}"
+        assert best[2], "the best export is told its version is the champion"

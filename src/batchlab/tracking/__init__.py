@@ -12,6 +12,7 @@
     digests         sha256 of every file of a run's models, recorded by export, checked by `batchlab verify`
     children        a parent's child runs by key: a finished one's stored result, attempts a rerun replaces
     record          a run's tags, params, metrics and torch weights, read back for `batchlab reproduce`
+    registry        a predictor's new version and the champion alias, safe with many exports at once
 
 `fit` and the stages receive a Tracker and never test a flag.
 """

@@ -14,7 +14,7 @@ import numpy as np
 from batchlab.config import TrackingConfig
 from batchlab.tracking import outage
 from batchlab.tracking.backend import quiet_mlflow, reachable, retry_locked
-from batchlab.tracking.base import CHAMPION, RESUMED, Tracker
+from batchlab.tracking.base import RESUMED, Tracker
 from batchlab.tracking.flavors import logging_into, torch_flavor
 
 if TYPE_CHECKING:
@@ -206,25 +206,17 @@ class MlflowTracker(Tracker):
         return bool(self._persist(f"the registration of {model_uri}", self._register, model_uri, score, metric))
 
     def _register(self, model_uri: str, score: float, metric: str) -> bool:
-        import mlflow
-
+        from batchlab.tracking import registry
         from batchlab.tracking.pyfunc import REGISTRY_DESCRIPTION, version_description
 
         name = self.cfg.registered_model
         quiet_mlflow()  # logging a model before (the predictor) switches mlflow's news back on
-        version = mlflow.register_model(model_uri, name, tags={metric: f"{score:.6f}", "run_id": self.run_id})
-        retry_locked(self.client.update_model_version, name, version.version, version_description(self.run_id))
+        tags = {metric: f"{score:.6f}", "run_id": self.run_id}
+        version, champion = registry.register(self.client, name, model_uri, tags, metric)
+        retry_locked(self.client.update_model_version, name, version, version_description(self.run_id))
         if not retry_locked(self.client.get_registered_model, name).description:
             retry_locked(self.client.update_registered_model, name, REGISTRY_DESCRIPTION)
-        try:
-            champion = self.client.get_model_version_by_alias(name, CHAMPION)
-            best = float(champion.tags.get(metric, "-inf"))
-        except mlflow.exceptions.MlflowException:
-            best = float("-inf")
-        if score > best:
-            self.client.set_registered_model_alias(name, CHAMPION, version.version)
-            return True
-        return False
+        return champion
 
     def link_children(self, figures: dict[str, dict[str, float]]) -> str | None:
         from batchlab.tracking import children
