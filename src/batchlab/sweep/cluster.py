@@ -36,10 +36,11 @@ from prefect.futures import as_completed
 import batchlab
 from batchlab import atomic, data, orchestration, stages, tracking
 from batchlab.config import Config
-from batchlab.sweep import groups, progress
+from batchlab.sweep import groups, progress, stop
 from batchlab.sweep.experiment import Experiment, code_hash
 from batchlab.sweep.preflight import DaskUnavailable as DaskUnavailable
 from batchlab.sweep.preflight import PrefectRefused as PrefectRefused
+from batchlab.sweep.preflight import PrefectUnavailable
 from batchlab.sweep.preflight import preflight as preflight
 from batchlab.training import threads
 
@@ -122,18 +123,26 @@ def experiment(
     outputs: str,
     parent_run_id: str | None,
     want: Expected,
+    sweep_id: str,
 ) -> dict[str, Any]:
-    """The result rows, by name, of one experiment, or of the seeds of a batch size trained together."""
+    """The result rows, by name, of one experiment, or of the seeds of a batch size trained together.
+    `sweep_id`: what an interrupted sweep names to stop it (stop.py)."""
     paths = worker_paths(root, outputs)
     check_worker(want, paths)
     threads.limit_cores(_worker_threads())
     threads.use_threads(threads.sweep_threads(cfg, data.shape(paths.data)))
-    return groups.train_group(cfg, group, paths, parent_run_id)
+    with stop.registered(sweep_id):
+        return groups.train_group(cfg, group, paths, parent_run_id)
 
 
 @flow(name="batchlab-sweep-dask", validate_parameters=False)
 def on_cluster(
-    cfg: Config, todo: list[Experiment], paths: stages.Paths, parent_run_id: str | None, want: Expected
+    cfg: Config,
+    todo: list[Experiment],
+    paths: stages.Paths,
+    parent_run_id: str | None,
+    want: Expected,
+    sweep_id: str,
 ) -> dict[str, dict[str, Any]]:
     """Submit every task at once; the scheduler places them on free worker threads. A task is one
     experiment, or the seeds of one batch size trained together, as the local executor groups them."""
@@ -141,7 +150,7 @@ def on_cluster(
     futures = []
     for group in groups.groups(cfg, todo):
         name = "+".join(exp.name for exp in group)
-        futures.append(experiment.submit(cfg, group, name, root, outputs, parent_run_id, want))
+        futures.append(experiment.submit(cfg, group, name, root, outputs, parent_run_id, want, sweep_id))
     results: dict[str, dict[str, Any]] = {}
     for done in as_completed(futures):
         for name, result in done.result().items():
@@ -201,13 +210,38 @@ def run(
     cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"tracking_uri": uri})})
     runner = DaskTaskRunner(address=address, client_kwargs={"set_as_default": False})
     lost = (FutureCancelledError, OSError)  # OSError: distributed's CommClosedError, a refused reconnect
+    sweep_id = stop.new_id()
     try:
         # DaskTaskRunner is a TaskRunner of its own future type, which with_options does not spell
         flow_ = on_cluster.with_options(task_runner=runner)  # type: ignore[arg-type]
         with _without_tracebacks_of(lost):
-            return flow_(cfg, todo, paths, parent_run_id, expected(paths))
+            return flow_(cfg, todo, paths, parent_run_id, expected(paths), sweep_id)
+    except (KeyboardInterrupt, tracking.Interrupted):
+        stop.stop_tasks(address, sweep_id)  # Dask would run them to their end
+        raise
     except lost as err:
         raise DaskUnavailable(
             f"lost the Dask scheduler at {address} mid-sweep ({type(err).__name__}); the finished experiments "
             f"are kept: run the sweep again to resume"
         ) from None
+    except Exception as err:
+        if not _unreachable_prefect(err):
+            raise
+        from prefect.settings import PREFECT_API_URL
+
+        raise PrefectUnavailable(
+            f"lost the Prefect server at {PREFECT_API_URL.value()} mid-sweep ({type(err).__name__}); the finished "
+            f"experiments are kept: start it again and run the sweep again to resume"
+        ) from None
+
+
+def _unreachable_prefect(err: BaseException) -> bool:
+    """An API call of Prefect's client that found no server, after its retries (PREFECT_CLIENT_MAX_RETRIES)."""
+    import httpx
+
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, httpx.TransportError):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False

@@ -32,6 +32,10 @@ class PrefectRefused(RuntimeError):
     """The Prefect server the sweep's flow reports to refuses this client (its auth string)."""
 
 
+class PrefectUnavailable(RuntimeError):
+    """The Prefect server the sweep's flow reports to went away mid-sweep, past its client's retries."""
+
+
 def preflight(cfg: Config) -> None:
     """Fail in seconds, in one line naming the fix, before any experiment or run starts."""
     validate.dask_address(cfg.sweep.dask_address)

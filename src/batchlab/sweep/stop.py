@@ -1,0 +1,75 @@
+"""An interrupted Dask sweep stops the experiments it started on the workers.
+
+Dask cannot cancel a task that runs: its worker runs it to the end in one of its threads. So a
+sweep stopped by Ctrl-C or SIGTERM went on training on the cluster, into the sweep's folder and its
+MLflow runs, and a rerun raced it. Each task registers its thread under its sweep's id
+(`registered`); an interrupted sweep asks every worker (`Client.run`) to raise
+tracking.Interrupted in those threads (`interrupt`), as SIGTERM does in `batchlab train`: the
+experiment's run ends KILLED and its checkpoint is kept for the rerun.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import threading
+import uuid
+from collections.abc import Iterator
+
+log = logging.getLogger(__name__)
+
+# the threads of this worker process running each sweep's tasks, by sweep id
+_RUNNING: dict[str, set[int]] = {}
+_GUARD = threading.Lock()
+REACH_S = 10.0  # the scheduler's answer, at most: an interrupted sweep does not hang on a stuck one
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+@contextlib.contextmanager
+def registered(sweep_id: str) -> Iterator[None]:
+    """This thread runs a task of sweep `sweep_id` while the context lasts."""
+    ident = threading.get_ident()
+    with _GUARD:
+        _RUNNING.setdefault(sweep_id, set()).add(ident)
+    try:
+        yield
+    finally:
+        with _GUARD:
+            _RUNNING[sweep_id].discard(ident)
+
+
+def interrupt(sweep_id: str) -> int:
+    """On a worker (Client.run): raise Interrupted in the threads running sweep `sweep_id`'s tasks,
+    at their next Python instruction. How many there were."""
+    from batchlab.tracking import Interrupted
+
+    with _GUARD:
+        idents = sorted(_RUNNING.get(sweep_id, ()))
+    for ident in idents:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(Interrupted))
+    return len(idents)
+
+
+def stop_tasks(address: str, sweep_id: str) -> int:
+    """From the interrupted sweep: every worker's tasks of `sweep_id` interrupted; how many. 0 when
+    the scheduler does not answer within REACH_S (its workers then stop with it)."""
+    told: list[int] = []
+
+    def ask() -> None:
+        from distributed import Client
+
+        with Client(address, timeout=REACH_S, set_as_default=False) as client:
+            told.append(sum(client.run(interrupt, sweep_id).values()))
+
+    # a daemon thread: Client(timeout=...) waits for ever on a scheduler that takes the connection
+    # and never answers, and the interpreter's exit would wait for a pool's thread
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    asking.join(REACH_S)
+    if told and told[0]:
+        log.info("sweep: stopped %d experiment task(s) running on the cluster", told[0])
+    return told[0] if told else 0
