@@ -1,6 +1,7 @@
 """Many trainings at once against one MLflow server on PostgreSQL, as a team's sweep meets it:
-whatever they create in common (the experiment, the dataset inputs) is created once, no run dies
-from the race, and a server restart in the middle loses no point."""
+whatever they create or tag in common (the experiment, the dataset inputs, registered versions and
+the champion alias, a dead run's end) is written once, no run dies from the race, and a server
+restart in the middle loses no point."""
 
 from __future__ import annotations
 
@@ -141,3 +142,42 @@ def test_eight_exports_registering_at_once_get_eight_versions_and_the_best_is_ch
         best = max(got)
         assert champion.version == best[1] and champion.tags["f1"] == f"{max(scores):.6f}"
         assert best[2], "the best export is told its version is the champion"
+
+
+def test_eight_commands_ending_the_same_dead_runs_at_once_all_start(tmp_path: Path) -> None:
+    """Each run's start ends the RUNNING runs that a dead process of its host left, tagging each:
+    commands started together after a crash all tag the same runs, and on PostgreSQL MLflow's tag
+    upsert races (duplicate key on tag_pk: 4 of the 8 starters here died of it before). Eight starters on
+    threads (each its own client, so the server sees them at once) released at a barrier."""
+    import threading
+
+    from batchlab.tracking import ownership
+    from batchlab.tracking.base import REAPED
+    from batchlab.tracking.lifecycle import _end_orphans
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    with mlflow_on_postgres(tmp_path) as server:
+        client = MlflowClient(server.uri)
+        experiment = client.create_experiment("team")
+        owner = ownership.owner_tags() | {ownership.PID: str(dead.pid)}
+        orphans = [client.create_run(experiment, tags=owner).info.run_id for _ in range(5)]
+        barrier, errors = threading.Barrier(8), []
+
+        def start() -> None:
+            mine = MlflowClient(server.uri)
+            barrier.wait()
+            try:
+                _end_orphans(mine, experiment)
+            except Exception as err:  # what the assert reports
+                errors.append(str(err)[:300])
+
+        starters = [threading.Thread(target=start) for _ in range(8)]
+        for starter in starters:
+            starter.start()
+        for starter in starters:
+            starter.join(timeout=300)
+        assert errors == []
+        for run_id in orphans:
+            ended = client.get_run(run_id)
+            assert ended.info.status == "KILLED" and "exited without ending the run" in ended.data.tags[REAPED]
