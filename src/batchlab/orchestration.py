@@ -8,6 +8,7 @@ from typing import Any
 
 from batchlab import stages, tracking
 from batchlab.config import Config, load_config
+from batchlab.tracking.outage import unreachable
 from batchlab.training import launch
 
 # worth another try: a tracking server that is restarting, a DDP launcher that lost a rank
@@ -15,7 +16,9 @@ TRANSIENT = (tracking.TrackingUnavailable, launch.LaunchError, ConnectionError, 
 
 
 def is_transient(error: BaseException) -> bool:
-    return isinstance(error, TRANSIENT)  # a ConfigError or DataError is none of these: never retried
+    # a ConfigError or DataError is none of these: never retried. A tracking server that went away
+    # mid-run: MLflow's client raises an MlflowException around the refused connection
+    return isinstance(error, TRANSIENT) or unreachable(error)
 
 
 def retry_transient(task: Any, task_run: Any, state: Any) -> bool:

@@ -111,7 +111,8 @@ def _worker_threads() -> int:
 @task(
     name="experiment",
     task_run_name="{name}",
-    retries=2,  # a tracking server restarting; a killed worker is the scheduler's retry
+    retries=3,  # a tracking server restarting; a killed worker is the scheduler's retry
+    retry_delay_seconds=[10, 30, 60],  # a restarted server's start took 60 s under load here
     retry_condition_fn=orchestration.retry_transient,  # never a WorkerMismatch
     cache_policy=NONE,
 )
