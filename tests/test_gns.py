@@ -142,11 +142,11 @@ def test_the_reading_follows_the_exact_noise_scale_through_training(
 ) -> None:
     # a synthetic problem with a known answer at every point: the weights after every step
     # (a val point each step, train.curve_weights), every train row's gradient there. A probe
-    # every 128th step (the default's window, 64 steps each side, more often than its period) at
-    # step s measures the weights of s - 1 steps (before its step's update), and its reading is
-    # complete 64 steps later. One reading scatters by
-    # 20-40% on a moving model, now and then more (within 15% on a still one: the test above): the
-    # median over the run is the claim, and three readings in four within 1.5x
+    # every 128th step at step s measures the weights of s - 1 steps (before its step's update),
+    # its reading complete there (tr(Σ) from 512 of the 1400 rows' own gradients). One reading
+    # scatters by 20-40%, now and then more (0.64-2.43x in one run with dropout here, a few rows
+    # hold most of the gradient late on; within 15% on a still model: the test above): the median
+    # over the run is the claim, and two readings in three within 1.5x
     cfg = tiny_config(
         data={"samples": 2000},
         model={"dropout": dropout, "hidden_sizes": [32]},
@@ -168,7 +168,7 @@ def test_the_reading_follows_the_exact_noise_scale_through_training(
     read = [r for r in ratios if math.isfinite(r)]  # late on |G|² can read ≤ 0: no reading, counted
     assert len(ratios) >= 8 and len(read) >= len(ratios) - 1, shown
     assert 0.7 <= statistics.median(read) <= 1.3, shown
-    assert sum(1 / 1.5 <= r <= 1.5 for r in read) >= 0.75 * len(read), shown
+    assert sum(1 / 1.5 <= r <= 1.5 for r in read) >= 2 / 3 * len(read), shown
 
 
 def test_per_example_path_logs_finite_positive_noise_scale(tiny_dataset: Dataset, every_step: None) -> None:
@@ -181,8 +181,8 @@ def test_per_example_path_logs_finite_positive_noise_scale(tiny_dataset: Dataset
 
 
 def test_default_period_measures_a_longer_run(tiny_dataset: Dataset) -> None:
-    # 13 steps an epoch: the default period (54 steps for 420 rows at batch 32) has read by epoch 16
-    _assert_finite_positive(_final(_fit(tiny_config(train={"epochs": 16}), tiny_dataset)))
+    # 13 steps an epoch: the default period (271 steps for 420 rows at batch 32) has read by epoch 22
+    _assert_finite_positive(_final(_fit(tiny_config(train={"epochs": 22}), tiny_dataset)))
 
 
 def test_gns_changes_no_weight_and_off_logs_no_gns_keys(tiny_dataset: Dataset, every_step: None) -> None:
@@ -245,7 +245,7 @@ def test_val_curve_b_simple_is_nan_when_gns_is_off(tiny_dataset: Dataset) -> Non
 
 
 def test_train_stage_writes_val_curve_csv_and_logs_undefined_noise_scale_to_mlflow(workdir: Path) -> None:
-    # 4 epochs of 13 steps, the first shorter than the default period (54): gns.b_simple is NaN there
+    # 4 epochs of 13 steps, the first shorter than the default period (271): gns.b_simple is NaN there
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     cfg = tiny_config(train={"eval_every_steps": 10}, tracking={"enabled": True, "tracking_uri": uri})
     paths = stages.Paths(workdir)
@@ -254,7 +254,7 @@ def test_train_stage_writes_val_curve_csv_and_logs_undefined_noise_scale_to_mlfl
     with (workdir / "reports/val_curve.csv").open() as f:
         curve = list(csv.DictReader(f))
     assert [int(float(p["step"])) for p in curve] == [10, 20, 30, 40, 50]
-    assert set(curve[0]) == {"step", "examples", "val_loss", "gns.b_simple"}
+    assert set(curve[0]) == {"step", "examples", "val_loss", "gns.b_simple", "gns.measured_at"}
     with (workdir / "reports/history.csv").open() as f:
         assert set(next(csv.DictReader(f))) >= GNS_KEYS
     logged = MlflowClient(uri).get_metric_history(info["run_id"], "gns.b_simple")
@@ -268,11 +268,11 @@ def test_train_stage_writes_val_curve_csv_and_logs_undefined_noise_scale_to_mlfl
 def test_ddp_noise_scale_agrees_with_single_process(repo_copy: Path) -> None:
     # the same data and seed: DDP's weights match one process's, so both measure the same training.
     # both take the split's mean gradient at fixed weights (under DDP each rank half of its rows,
-    # summed in one all-reduce) at the default period of the global batch (64: step 455, read at
-    # 519 of 559), and the steps' norms around it; their dropout masks differ (each rank draws its
-    # own), and so do their weights a little (#29). A factor of 2 is several standard errors of a
-    # reading, and far below what a missing world-size or reduction would give.
-    set_params(repo_copy, "train", epochs=13, gns=True)
+    # summed in one all-reduce) at the default period of the global batch (64: step 688 of 731),
+    # and their sampled rows' own gradients (each rank its share); their dropout masks differ (each
+    # rank draws its own), and so do their weights a little (#29). A factor of 2 is several
+    # standard errors of a reading, and far below what a missing world-size or reduction would give.
+    set_params(repo_copy, "train", epochs=17, gns=True)
     run(["batchlab", "generate"], repo_copy)
     cfg = load_config(repo_copy / "params.yaml")
     single = _final(_fit(cfg, load_data(repo_copy / "data/prepared")))
@@ -287,7 +287,7 @@ def test_ddp_noise_scale_agrees_with_single_process(repo_copy: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("batch", "dropout", "every"), [(16, 0.1, 556), (64, 0.1, 455), (512, 0.1, 169), (16, 0.0, 278)]
+    ("batch", "dropout", "every"), [(16, 0.1, 840), (64, 0.1, 688), (512, 0.1, 255), (16, 0.0, 563)]
 )
 def test_full_split_period_follows_its_cost_model(batch: int, dropout: float, every: int) -> None:
     # params.yaml's 2800 train rows: the periods gns_probes' comment states (two passes with dropout)

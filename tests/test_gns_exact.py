@@ -81,7 +81,8 @@ def test_noise_scale_command_reports_the_exact_value_of_the_saved_model(
     workdir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     paths = stages.Paths(workdir)
-    cfg = tiny_config(model={"dropout": 0.2}, train={"epochs": 14})  # the probe reads once: step 107, done at 160
+    # the probe reads once, at step 108 of 182 (later on, |G|² is below the probe's mask noise here)
+    cfg = tiny_config(model={"dropout": 0.2}, train={"epochs": 14, "gns_every": 107})
     write_params(workdir, cfg.model_dump())
     assert cli.main(["--out", str(workdir), "noise-scale"]) == 1  # nothing trained yet: a one-line error
     assert "train first" in capsys.readouterr().err

@@ -55,6 +55,22 @@ def pick_lrs(results: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[
     return kept, chosen
 
 
+def reading_at(result: dict[str, Any], step: int) -> tuple[float, int | None]:
+    """The noise-scale reading the study reads at `step`, and the step whose weights it measured:
+    the latest probe's that measured the weights at or before `step` (its reading completes a
+    window later, so it is read further along the curve). A sweep's probe measures a val point's
+    weights (sweep/experiment.py), so the exact value is taken at the same weights (sweep/truth.py).
+    A result from before that column: the reading complete at `step`, its weights unknown."""
+    measured = result.get("curve_b_simple_measured_at")
+    if not measured:
+        return result["curve_b_simple"][result["curve_steps"].index(step)], None
+    latest: tuple[float, float] | None = None
+    for value, at in zip(result["curve_b_simple"], measured, strict=True):
+        if math.isfinite(at) and at <= step and (latest is None or at > latest[1]):
+            latest = (value, at)
+    return (latest[0], int(latest[1])) if latest is not None else (math.nan, None)
+
+
 def reach(result: dict[str, Any], target: float) -> dict[str, Any]:
     """The experiment with its steps, examples and training seconds to `target` (None: never)."""
     step = critical.first_reach(result["curve_steps"], result["curve_val_loss"], target)
@@ -69,12 +85,14 @@ def reach(result: dict[str, Any], target: float) -> dict[str, Any]:
     # at the median throughput (scoring the val split along the way is not training time); an
     # adaptive run's throughput moves with its batch: its own epochs' seconds (study/adaptive.py)
     seconds = seconds_at(result, examples) if result.get("adaptive") else examples / result["samples_per_s"]
+    reading, measured = reading_at(result, step)
     return {
         **result,
         "steps_to_target": step,
         "examples_to_target": examples,
         "seconds_to_target": seconds,
-        "gns_b_simple_at_target": result["curve_b_simple"][at],
+        "gns_b_simple_at_target": reading,
+        "gns_b_simple_measured_at": measured,
     }
 
 
@@ -113,7 +131,8 @@ class NoiseTruth:
     """The exact noise scale at the target (sweep/truth.py), where the train split allowed it."""
 
     b_simple: float = math.nan  # the median over the experiments that reached the target
-    estimate_over_exact: float = math.nan  # the median over them of the estimate / the exact value
+    # the median over them of the estimate / the exact value at the weights the estimate measured
+    estimate_over_exact: float = math.nan
     count: int = 0  # experiments with an exact value
 
 
@@ -197,7 +216,9 @@ def analyse(
     at_target = _finite(readings)
     b_simple = statistics.median(at_target) if at_target else math.nan
     exact = _finite([r.get("gns_b_simple_exact_at_target") for r in kept if r["steps_to_target"] is not None])
-    both = [_finite([r["gns_b_simple_at_target"], r.get("gns_b_simple_exact_at_target")]) for r in kept]
+    # each reading against the exact value at the weights it measured (older rows: at the target's)
+    truths = [r.get("gns_b_simple_exact_at_reading", r.get("gns_b_simple_exact_at_target")) for r in kept]
+    both = [_finite([r["gns_b_simple_at_target"], there]) for r, there in zip(kept, truths, strict=True)]
     pairs = [estimate / exact for estimate, exact in (p for p in both if len(p) == 2) if exact > 0]
     truth = NoiseTruth(
         statistics.median(exact) if exact else math.nan, statistics.median(pairs) if pairs else math.nan, len(exact)

@@ -69,12 +69,19 @@ def plan(cfg: Config, n_train: int, dataset: data.Dataset | None = None) -> list
             m,
             max(1, steps_per_epoch(n_train, b) // sc.evals_per_epoch),
             n_train <= sc.exact_noise_rows,
-            steps_per_epoch(n_train, b),
+            probe_every(steps_per_epoch(n_train, b), max(1, steps_per_epoch(n_train, b) // sc.evals_per_epoch)),
         )
         for b in sc.batch_sizes
         for m in sc.lr_multipliers
         for seed in sc.seeds
     ] + (adaptive_plan(cfg, n_train, dataset) if sc.adaptive else [])
+
+
+def probe_every(epoch_steps: int, eval_every: int) -> int:
+    """The noise probe's period: about an epoch, a multiple of the val points' period, so each
+    reading measures the weights of a val point (gns_probes.FullSplitProbe), which the exact value
+    at the reading is taken at (truth.py)."""
+    return eval_every * max(1, epoch_steps // eval_every)
 
 
 def adaptive_plan(cfg: Config, n_train: int, dataset: data.Dataset | None = None) -> list[Experiment]:

@@ -98,6 +98,7 @@ def score(
         "batch_schedule": trained.info.get("batch_schedule", []),
         "curve_val_loss": _floats(curve, "val_loss"),
         "curve_b_simple": _floats(curve, "gns.b_simple"),
+        "curve_b_simple_measured_at": _floats(curve, "gns.measured_at"),  # the weights each reading measured
     }
     result["overhead_seconds"] = time.perf_counter() - started - train_seconds
     result["finished_at"] = time.time()  # what a killed sweep's next attempt counts its wall time up to

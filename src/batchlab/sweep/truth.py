@@ -3,7 +3,10 @@
 An experiment within sweep.exact_noise_rows keeps its weights at each val point
 (train.curve_weights, reports/curve_weights.pt); once the study knows the target, the weights at
 the point where each experiment first reached it give the exact B_simple from every train row's
-gradient (training/gns_exact.py). Each value is kept in the experiment's reports/exact_noise.json,
+gradient (training/gns_exact.py); and at the weights the in-training reading the study reads there
+measured (a sweep's probe measures a val point's weights), which is what that estimate is held to:
+B_simple at one iterate scatters by 2x and more from one val point to the next, so a reading at
+other weights is no check of the estimator. Each value is kept in the experiment's reports/exact_noise.json,
 keyed by step, so a report rewritten later computes nothing again.
 """
 
@@ -20,7 +23,7 @@ from torch.nn.utils import vector_to_parameters
 from batchlab import atomic, data, stages
 from batchlab.config import Config
 from batchlab.model import build_model, save_torch
-from batchlab.study import critical
+from batchlab.study import analysis, critical
 from batchlab.training.gns_exact import batch_coupled, exact_noise_scale
 from batchlab.training.train import split_tensors
 
@@ -45,17 +48,19 @@ def _keep_first(folder: stages.Paths, saved: dict[str, Any], points: int) -> Non
         save_torch(path, {"steps": saved["steps"][:points], "weights": saved["weights"][:points].clone()})
 
 
-def exact_at(cfg: Config, folder: stages.Paths, dataset: data.Dataset, step: int, key: str) -> dict[str, float] | None:
+def exact_at(
+    cfg: Config, folder: stages.Paths, dataset: data.Dataset, step: int, key: str, trim: bool = True
+) -> dict[str, float] | None:
     """The exact figures at `step` of the experiment keyed `key` whose outputs are in `folder`
-    (None: its weights there were not kept). The weights after that point go: a study that gains
-    experiments only raises the automatic target (the highest lowest val loss), and they are most
-    of the file."""
+    (None: its weights there were not kept). With `trim` (`step` is the target's) the weights after
+    that point go: a study that gains experiments only raises the automatic target (the highest
+    lowest val loss), and they are most of the file."""
     cache = folder.reports / EXACT
     stored = json.loads(cache.read_text()) if cache.is_file() else {}
     known: dict[str, dict[str, float]] = stored.get("steps", {}) if stored.get("key") == key else {}
     path = folder.curve_weights
     saved = torch.load(path, weights_only=True) if path.is_file() else None
-    if saved is not None and step in saved["steps"]:
+    if trim and saved is not None and step in saved["steps"]:
         _keep_first(folder, saved, saved["steps"].index(step) + 1)
     if str(step) in known:
         return known[str(step)]
@@ -75,15 +80,22 @@ def exact_at(cfg: Config, folder: stages.Paths, dataset: data.Dataset, step: int
 def with_exact(
     cfg: Config, dataset: data.Dataset, folders: dict[str, stages.Paths], results: list[dict[str, Any]], target: float
 ) -> list[dict[str, Any]]:
-    """The results, each that kept its weights with `gns_b_simple_exact_at_target` (NaN where it
-    cannot be computed: it never reached `target`, or its weights there are gone). `folders`: each
-    experiment's outputs, by name."""
+    """The results, each that kept its weights with `gns_b_simple_exact_at_target` and
+    `gns_b_simple_exact_at_reading`, the exact value at the weights the study's reading there
+    measured (analysis.reading_at: the latest probe at or before the target), what the estimate is
+    compared with; NaN where it cannot be computed: it never reached `target`, or its weights there
+    are gone. `folders`: each experiment's outputs, by name."""
     out = []
     for r in results:
         if not r.get("curve_weights"):
             out.append(r)
             continue
         step = critical.first_reach(r["curve_steps"], r["curve_val_loss"], target)
-        exact = exact_at(cfg, folders[r["name"]], dataset, step, r["fingerprint"]) if step is not None else None
-        out.append({**r, "gns_b_simple_exact_at_target": exact["b_simple"] if exact else math.nan})
+        folder = folders[r["name"]]
+        exact = exact_at(cfg, folder, dataset, step, r["fingerprint"]) if step is not None else None
+        # at or before the target: its weights are kept (exact_at keeps those up to `step`)
+        measured = analysis.reading_at(r, step)[1] if step is not None else None
+        there = exact_at(cfg, folder, dataset, measured, r["fingerprint"], trim=False) if measured is not None else None
+        out.append({**r, "gns_b_simple_exact_at_target": exact["b_simple"] if exact else math.nan,
+                    "gns_b_simple_exact_at_reading": there["b_simple"] if there else math.nan})  # fmt: skip
     return out

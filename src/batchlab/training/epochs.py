@@ -121,9 +121,10 @@ def val_curve_points(
     scored: list[Scored], noise: Trajectory, examples_at: Callable[[int], int]
 ) -> list[dict[str, float]]:
     """An epoch's val points, read back in one sync, with the examples seen and the noise scale at
-    each point's step."""
+    each point's step (and the step whose weights that reading measured)."""
     losses = torch.stack([loss for _, loss, _ in scored]).tolist() if scored else []
     return [
-        {"step": float(step), "examples": float(examples_at(step)), "val_loss": loss, "gns.b_simple": noise.at(step)}
+        {"step": float(step), "examples": float(examples_at(step)), "val_loss": loss,
+         "gns.b_simple": noise.at(step), "gns.measured_at": noise.measured_at(step)}
         for (step, _, _), loss in zip(scored, losses, strict=True)
-    ]
+    ]  # fmt: skip

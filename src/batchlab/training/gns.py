@@ -15,13 +15,17 @@ the target, of 2800 rows): a reading from 32 rows' per-example gradients against
 batch read 0.06x the exact value there. So |G|² is measured at fixed weights instead, from the
 train split's mean gradient taken twice with independent masks (gns_probes.FullSplitProbe):
 their dot product is unbiased for |G|² (the masks' noise cancels, and over the whole split the
-rows' noise is gone), half their squared difference is tr(Σ_mask)/M, and the steps' own gradient
-norms around the probe, free every step, give tr(Σ_rows) (`full_split_estimate`). Each reading is
-the latest probe's (DECAY).
+rows' noise is gone), half their squared difference is tr(Σ_mask)/M, and up to 512 rows' own
+gradients at the same weights give tr(Σ) (`per_row_estimate`): a reading is complete at its probe,
+all of it at one set of weights, which the exact value there checks. (The steps' own gradient
+norms around the probe, `full_split_estimate`, still read a measurement without them: they read
+tr(Σ) 1.6-3x high for the transformer, whose steps' rows, not yet trained on this epoch, have
+larger gradients than a random batch.) Each reading is the latest probe's (DECAY).
 
 Cost (benchmarks/bench_gns.py, MLP [64, 64], 1 CPU thread): a probe is two passes over up to
-4096 rows, ~11 ms for params.yaml's 2800, so it runs every k-th step with k from a cost model
-(gns_probes.full_split_every: batch 16 every 556th step, 512 every 169th).
+4096 rows, ~11 ms for params.yaml's 2800, plus the rows' own gradients (~6 batched rows each,
+gns_exact's figure), so it runs every k-th step with k from a cost model
+(gns_probes.full_split_every: batch 16 every 840th step, 512 every 255th).
 """
 
 from __future__ import annotations
@@ -52,15 +56,23 @@ class Trajectory:
 
     steps: list[int]
     b_simple: list[float]
+    # the step whose weights each reading measured (the probe's step - 1; NaN: none yet): a reading
+    # completes up to a probe period plus its window after the weights it measured
+    measured: list[float] = field(default_factory=list)
 
     def at(self, step: int) -> float:
         """The reading once `step` steps were done (NaN before any)."""
         i = bisect.bisect_right(self.steps, step) - 1
         return self.b_simple[i] if i >= 0 else math.nan
 
+    def measured_at(self, step: int) -> float:
+        """The step whose weights `at(step)`'s reading measured (NaN before any)."""
+        i = bisect.bisect_right(self.steps, step) - 1
+        return self.measured[i] if 0 <= i < len(self.measured) else math.nan
+
     def then(self, later: Trajectory) -> Trajectory:
         """This trajectory followed by one read after it."""
-        return Trajectory(self.steps + later.steps, self.b_simple + later.b_simple)
+        return Trajectory(self.steps + later.steps, self.b_simple + later.b_simple, self.measured + later.measured)
 
 
 @dataclass(frozen=True)
@@ -70,7 +82,10 @@ class FullSplitMeasure:
     cross: torch.Tensor  # ḡ¹·ḡ²: the mean gradients over `rows` rows, two independent dropout draws
     half_diff_sq: torch.Tensor  # |ḡ¹ - ḡ²|² / 2 (0 with one pass): the masks' noise, tr(Σ_mask)/rows
     rows: int
-    half_window: int = 16  # steps each side of the probe whose norms give tr(Σ)
+    half_window: int = 16  # steps each side of the probe whose norms give tr(Σ) (without row_sq)
+    # the mean over sampled rows of |g_row|², one mask each (E: |G|² + tr(Σ)): the reading is then
+    # complete at the probe, all at its weights (`per_row_estimate`)
+    row_sq: torch.Tensor | None = None
 
 
 def full_split_estimate(
@@ -91,6 +106,20 @@ def full_split_estimate(
         return math.nan, math.nan
     trace_rows = (steps_sq - cross - trace_mask / batch) / (d - c)
     return cross - c * trace_rows, trace_rows + trace_mask
+
+
+def per_row_estimate(
+    cross: float, half_diff_sq: float, row_sq: float, rows: int, population: int | None
+) -> tuple[float, float]:
+    """|G|² and tr(Σ) at one set of weights from a full-split measurement over `rows` rows and the
+    mean squared norm of sampled rows' own gradients: E[row_sq] = |G|² + tr(Σ_rows) + tr(Σ_mask),
+    E[cross] = |G|² + tr(Σ_rows)·c (c as in `full_split_estimate`: 0 over the whole split)."""
+    trace_mask = rows * half_diff_sq
+    c = 1.0 / rows if population is None else (population - rows) / (rows * max(population - 1, 1))
+    if c >= 1:  # one row of an endless stream: no |G|² apart from its noise
+        return math.nan, math.nan
+    grad_sq = (cross - c * (row_sq - trace_mask)) / (1 - c)
+    return grad_sq, row_sq - grad_sq
 
 
 @dataclass
@@ -118,7 +147,8 @@ class NoiseScale:
     trace_ema: float = 0.0
     weight: float = 0.0  # 1 - decay**n over the n finite readings: the bias correction
     steps_settled: int = 0  # `steps` at the last settle: where the next trajectory starts
-    _pending: list[tuple[int, torch.Tensor, tuple[int, int]]] = field(default_factory=list, repr=False)
+    measured_step: float = math.nan  # the step whose weights the latest reading measured
+    _pending: list[tuple[int, int, torch.Tensor, tuple[int, int]]] = field(default_factory=list, repr=False)
     _recent: deque[torch.Tensor] = field(default_factory=lambda: deque(maxlen=MAX_HALF_WINDOW), repr=False)
     _open: list[_Window] = field(default_factory=list, repr=False)
 
@@ -131,7 +161,10 @@ class NoiseScale:
         self._recent.append(norm)
         if self._open:
             self._close_windows(norm)
-        if measured is not None:
+        if measured is not None and measured.row_sq is not None:  # complete now: batch 0 marks it
+            values = torch.stack([measured.cross.float(), measured.half_diff_sq.float(), measured.row_sq.float()])
+            self._pending.append((self.steps, self.steps - 1, values, (measured.rows, 0)))
+        elif measured is not None:
             values = torch.stack([measured.cross.float(), measured.half_diff_sq.float()])
             before = list(self._recent)[-measured.half_window :]
             self._open.append(_Window(self.steps, values, (measured.rows, batch), before, measured.half_window))
@@ -144,7 +177,8 @@ class NoiseScale:
             if window.to_come == 0:
                 stacked = torch.stack(window.norms).float()
                 steps_sq = (torch.dot(stacked, stacked) / stacked.shape[0]).view(1)
-                self._pending.append((self.steps, torch.cat([window.values, steps_sq]), window.sizes))
+                values = torch.cat([window.values, steps_sq])
+                self._pending.append((self.steps, window.step - 1, values, window.sizes))
         self._open = [w for w in self._open if w.to_come > 0]
 
     def restart_windows(self) -> None:
@@ -155,22 +189,27 @@ class NoiseScale:
 
     def settle(self) -> Trajectory:
         """Fold the readings completed since the last call into the EMAs: one host sync."""
-        start = Trajectory([self.steps_settled], [self.b_simple])
+        start = Trajectory([self.steps_settled], [self.b_simple], [self.measured_step])
         pending, self._pending = self._pending, []
         self.steps_settled = self.steps
         if not pending:
             return start
-        values = torch.stack([v for _, v, _ in pending]).tolist()
-        steps, b_simple = list(start.steps), list(start.b_simple)
-        for (step, _, (rows, batch)), (cross, half_diff_sq, steps_sq) in zip(pending, values, strict=True):
-            g, t = full_split_estimate(cross, half_diff_sq, steps_sq, rows, batch, self.population)
+        values = torch.stack([v for _, _, v, _ in pending]).tolist()
+        steps, b_simple, measured = list(start.steps), list(start.b_simple), list(start.measured)
+        for (step, at, _, (rows, batch)), (cross, half_diff_sq, squares) in zip(pending, values, strict=True):
+            if batch == 0:  # the rows' own gradients at the probe's weights
+                g, t = per_row_estimate(cross, half_diff_sq, squares, rows, self.population)
+            else:  # the steps' norms around it
+                g, t = full_split_estimate(cross, half_diff_sq, squares, rows, batch, self.population)
             if math.isfinite(g) and math.isfinite(t):  # a skipped (non-finite) step measures nothing
                 self.grad_sq_ema = self.decay * self.grad_sq_ema + (1 - self.decay) * g
                 self.trace_ema = self.decay * self.trace_ema + (1 - self.decay) * t
                 self.weight = self.decay * self.weight + (1 - self.decay)
+                self.measured_step = float(at)
                 steps.append(step)
                 b_simple.append(self.b_simple)
-        return Trajectory(steps, b_simple)
+                measured.append(self.measured_step)
+        return Trajectory(steps, b_simple, measured)
 
     @property
     def grad_sq(self) -> float:
@@ -200,7 +239,8 @@ class NoiseScale:
             [w.step, *w.values.tolist(), *w.sizes, torch.stack(w.norms).float().tolist(), w.to_come] for w in self._open
         ]
         return {"steps": self.steps, "grad_sq_ema": self.grad_sq_ema, "trace_ema": self.trace_ema,
-                "weight": self.weight, "recent": recent, "open": waiting}  # fmt: skip
+                "weight": self.weight, "measured_step": self.measured_step, "recent": recent,
+                "open": waiting}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:  # a fresh run, or a checkpoint from before the noise scale
@@ -210,6 +250,7 @@ class NoiseScale:
             return
         self.grad_sq_ema, self.trace_ema = float(state["grad_sq_ema"]), float(state["trace_ema"])
         self.weight = float(state["weight"])
+        self.measured_step = float(state.get("measured_step", math.nan))
         self._recent.extend(torch.tensor(v) for v in state["recent"])
         self._open = [
             _Window(

@@ -1,6 +1,6 @@
-"""The probe that measures the noise scale's |G|² at fixed weights, against which the steps' own
-gradient norms give tr(Σ) (gns.py has the estimators): the train split's mean gradient, on one
-process or split over DDP's ranks. The strategy builds it (strategy.py)."""
+"""The probe that measures the noise scale at fixed weights (gns.py has the estimators): |G|² from
+the train split's mean gradient, tr(Σ) from sampled rows' own gradients, on one process or split
+over DDP's ranks. The strategy builds it (strategy.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.func import functional_call, grad, vmap
 
 from batchlab.training.gns import MAX_HALF_WINDOW, FullSplitMeasure
 from batchlab.training.gns_exact import is_stochastic
@@ -22,19 +23,29 @@ FULL_SPLIT_CHUNK = 1024
 # costs about (DISPATCH_ROWS + B) rows' worth (~0.39 ms fixed, ~1.9 µs a row), a pass over M rows
 # about (DISPATCH_ROWS + M), so measuring every k-th step costs passes·(DISPATCH_ROWS + M) /
 # (k·(DISPATCH_ROWS + B)) of the steps' time; k keeps that at FULL_SPLIT_OVERHEAD, half the 10%
-# allowed: the windows' bookkeeping adds ~1.5%, and side by side runs scatter by ±5% here
-# (params.yaml's 2800 rows, 2 passes: batch 16 every 556th step, 64 every 455th, 512 every
-# 169th), never more often than every FULL_SPLIT_MIN_EVERY-th
+# allowed: the bookkeeping adds ~1.5%, and side by side runs scatter by ±5% here; with the rows'
+# own gradients (ROW_COST below; params.yaml's 2800 rows, 2 passes: batch 16 every 840th step, 64
+# every 688th, 512 every 255th), never more often than every FULL_SPLIT_MIN_EVERY-th
 FULL_SPLIT_OVERHEAD = 0.05
 DISPATCH_ROWS = 200
 FULL_SPLIT_MIN_EVERY = 5
+# tr(Σ) from up to ROW_SAMPLE rows' own gradients at the probe's weights (torch.func, ROW_CHUNK
+# rows at a time), one dropout mask each: E|g_row|² = |G|² + tr(Σ). The steps' own norms around the
+# probe read 1.6-3x the exact value for the transformer on 1400 rows (median over 7 probes): a
+# step's rows are the ones not yet trained on this epoch, whose gradients are larger than a
+# random batch's once a model memorizes its rows. A row's gradient costs ~6 rows of a batched
+# pass (gns_exact: ~12 µs against ~1.9 µs)
+ROW_SAMPLE = 512
+ROW_CHUNK = 64
+ROW_COST = 6
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def full_split_every(rows: int, batch: int, passes: int) -> int:
     """The full-split probe's period in steps, from the cost model above."""
-    cost = passes * (DISPATCH_ROWS + rows) / (FULL_SPLIT_OVERHEAD * (DISPATCH_ROWS + batch))
+    probe = passes * (DISPATCH_ROWS + rows) + ROW_COST * min(rows, ROW_SAMPLE)
+    cost = probe / (FULL_SPLIT_OVERHEAD * (DISPATCH_ROWS + batch))
     return max(FULL_SPLIT_MIN_EVERY, math.ceil(cost))
 
 
@@ -61,18 +72,23 @@ class FullSplitProbe:
         self.passes = 2 if is_stochastic(model) else 1
         self.rows_per_pass = min(x.shape[0], FULL_SPLIT_ROWS)
         self.draw = torch.Generator(device=x.device).manual_seed(0)  # which rows, when the split is larger
+        self.draw_rows = torch.Generator(device=x.device)  # the rows tr(Σ) is taken from: seeded by step and rank
         self.step_rows = 0
-        self.phase = 0  # it measures at the steps k with (k - phase) % every == 0
+        # it measures at the steps k = first, first + every, ..., i.e. the weights after k - 1 steps
+        # (None: first = every). A period given (a sweep's, train.gns_every) measures the weights
+        # after each multiple of it: a val point's where eval_every_steps divides it, kept there, so
+        # the exact value can be taken at the weights the reading measured (sweep/truth.py)
+        self.first: int | None = every + 1 if every is not None else None
 
     def once_before_each(self, period: int) -> None:
         """One measurement per `period` steps, its reading complete at each multiple of `period`
         (train.adaptive_batch decides there; the EMA keeps only the latest reading anyway)."""
         self.every, self.step_rows = period, 0
-        self.phase = period - max(1, min(period // 2, MAX_HALF_WINDOW))
+        self.first = period - max(1, min(period // 2, MAX_HALF_WINDOW))
 
     def follow_cost_model(self) -> None:
         """Back to `full_split_every`'s period, from the next step's rows."""
-        self.every, self.step_rows, self.phase = None, 0, 0
+        self.every, self.step_rows, self.first = None, 0, None
 
     def after_backward(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         if self.every is None:
@@ -81,7 +97,8 @@ class FullSplitProbe:
     def small(self, step: int) -> FullSplitMeasure | None:
         if self.every is None:  # from the first step's (global) rows: the same period every run and rank
             self.every = full_split_every(self.rows_per_pass, self.step_rows * self.world_size, self.passes)
-        if (step - self.phase) % self.every:
+        start = self.every if self.first is None else self.first
+        if step < start or (step - start) % self.every:
             return None
         x, y = self.x, self.y
         if x.shape[0] > self.rows_per_pass:  # the same rows on every rank: one generator, one seed
@@ -95,15 +112,21 @@ class FullSplitProbe:
             if self.rng is not None:  # dropout draws from the global RNG: give it this seed's state
                 torch.set_rng_state(self.rng.get_state())
             sums = torch.stack([self._summed_gradient(x, y) for _ in range(self.passes)])
+            share = min(x.shape[0], math.ceil(ROW_SAMPLE / self.world_size))
+            self.draw_rows.manual_seed(step * 1009 + self.rank)  # a resumed run draws the same rows
+            pick = torch.randperm(x.shape[0], generator=self.draw_rows, device=x.device)[:share]
+            squares = torch.stack([row_squares(self.model, self.loss_fn, x[pick], y[pick]),
+                                   torch.tensor(float(share), device=x.device)])  # fmt: skip
         with torch.no_grad():
             for saved, live in zip(buffers, self.model.buffers(), strict=True):
                 live.copy_(saved)
-        if self.world_size > 1:  # every rank's share of the rows: one collective every `every` steps
+        if self.world_size > 1:  # every rank's share of the rows: two collectives every `every` steps
             dist.all_reduce(sums)
+            dist.all_reduce(squares)
         first, second = sums[0] / rows, sums[-1] / rows
         half_diff_sq = (first - second).square().sum() / 2 if self.passes > 1 else torch.zeros((), device=x.device)
         half_window = max(1, min(self.every // 2, MAX_HALF_WINDOW))
-        return FullSplitMeasure(torch.dot(first, second), half_diff_sq, rows, half_window)
+        return FullSplitMeasure(torch.dot(first, second), half_diff_sq, rows, half_window, squares[0] / squares[1])
 
     def _summed_gradient(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         total: torch.Tensor | None = None
@@ -116,3 +139,20 @@ class FullSplitProbe:
             total = flat if total is None else total + flat
         assert total is not None
         return total
+
+
+def row_squares(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The sum over the rows (x, y) of the squared norm of each row's own gradient at the model's
+    weights, one dropout mask a row (vmap over grad, ROW_CHUNK rows at a time), in fp32."""
+    params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
+    buffers = dict(model.named_buffers())
+
+    def one_loss(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        return loss_fn(functional_call(model, (p, buffers), (xi.unsqueeze(0),)).float(), yi.unsqueeze(0))
+
+    per_row = vmap(grad(one_loss), in_dims=(None, 0, 0), randomness="different")
+    total = torch.zeros((), device=x.device)
+    for start in range(0, x.shape[0], ROW_CHUNK):
+        grads = per_row(params, x[start : start + ROW_CHUNK], y[start : start + ROW_CHUNK])
+        total = total + torch.stack([g.float().square().sum() for g in grads.values()]).sum()
+    return total
