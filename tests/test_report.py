@@ -123,7 +123,12 @@ def test_the_exact_noise_scale_is_the_headline_and_the_estimate_is_set_beside_it
     assert "B_simple = 550 exactly (median over the 5 experiments" in text
     assert f"masks counted as noise); B_crit / B_simple = {found.fit.b_crit / 550.0:.2f}. The" in text
     assert "{" not in text  # every placeholder filled
-    assert "estimate there reads 200 (median, the median of estimate / exact 0.36)" in text
+    assert "estimate there reads 200 (median, the median of estimate / exact 0.36, each reading against" in text
+    # the exact value at the weights the reading measured, where the row has it, is what it is held to
+    for r in results:
+        r["gns_b_simple_exact_at_reading"] = 180.0
+    like_with_like = analysis.analyse(results, 600, 0.2, None).figures()
+    assert like_with_like["b_simple_estimate_over_exact"] == pytest.approx(200 / 180)
 
 
 def test_a_figure_the_seeds_share_is_one_measurement_not_a_mean_plus_minus_zero(tmp_path: Path) -> None:

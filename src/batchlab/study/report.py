@@ -113,7 +113,8 @@ def noise_text(study: Study) -> list[str]:
     if truth.count and math.isfinite(truth.b_simple):
         ratio = f"; B_crit / B_simple = {fit.b_crit / truth.b_simple:.2f}" if isinstance(fit, critical.Fit) else ""
         apart = (
-            f", the median of estimate / exact {truth.estimate_over_exact:.2f}"
+            f", the median of estimate / exact {truth.estimate_over_exact:.2f}, each reading against the exact "
+            "value at the weights it measured: the latest probe at or before the target"
             if math.isfinite(truth.estimate_over_exact)
             else ""
         )
