@@ -196,9 +196,9 @@ def test_the_mlflow_predictor_of_images_and_tokens_has_their_shape_registers_and
     [spec] = signature.inputs.inputs
     assert (spec.type, spec.shape) == (np.dtype(dtype), shape)
     assert signature.outputs.input_names() == ["predicted", *(f"proba_{c}" for c in range(n_classes))]
-    graph = mlflow.models.get_model_info(f"runs:/{run_id}/onnx_model").signature  # the graph's own: scaled float32
+    graph = mlflow.models.get_model_info(f"runs:/{run_id}/onnx_model").signature  # the graph's own: raw, it scales
     [features], [logits] = graph.inputs.inputs, graph.outputs.inputs
-    assert (features.name, features.type, features.shape) == ("features", np.dtype("float32"), shape)
+    assert (features.name, features.type, features.shape) == ("features", np.dtype(dtype), shape)
     assert (logits.name, logits.shape) == ("logits", (-1, n_classes))
 
     version = mlflow.MlflowClient().get_model_version_by_alias(f"batchlab-{kind}", "champion")

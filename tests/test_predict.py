@@ -62,9 +62,10 @@ def test_predictions_on_the_raw_test_split_equal_evaluates_and_pass_extra_column
     assert list(out.columns) == ["id", "predicted", "proba_0", "proba_1"]
     assert out["predicted"].tolist() == expected["predicted"].tolist()
     assert out["id"].tolist() == pd.read_csv(pipeline / "raw_test.csv")["id"].tolist()
-    # the scaler was applied exactly: the probabilities are the softmax of the ONNX logits on the prepared split
+    # nothing scaled twice: the probabilities are the softmax of the ONNX graph's logits on the raw rows (it scales)
     session = ort.InferenceSession(str(pipeline / "models/model.onnx"), providers=["CPUExecutionProvider"])
-    logits = session.run(None, {"features": np.load(pipeline / "data/prepared/x_test.npy")})[0].astype(np.float64)
+    raw = pd.read_csv(pipeline / "raw_test.csv", float_precision="round_trip").drop(columns="id").to_numpy(np.float64)
+    logits = session.run(None, {"features": raw})[0].astype(np.float64)
     softmax = np.exp(logits - logits.max(1, keepdims=True))
     softmax /= softmax.sum(1, keepdims=True)
     np.testing.assert_array_equal(out[["proba_0", "proba_1"]].to_numpy(), softmax)

@@ -261,9 +261,10 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
     model, _ = load_model(paths.model)
     run_id = _run_info(paths).get("run_id")
     with tracking.run(cfg.tracking, run_id=run_id, enabled=run_id is not None) as tracker:
-        export_report = onnx.export_checked(model, dataset.test.x, paths.onnx, cfg.export.opset, cfg.export.atol)
-        # the scaler, feature and class names travel in the file: `batchlab predict` takes raw rows
+        # the graph scales raw examples itself; feature and class names travel in its metadata
         prep = predict.Preprocessing.from_dataset_json(paths.data / "dataset.json")
+        raw_test = data.unscaled(dataset, {"mean": prep.mean, "std": prep.std}, dataset.test.x)
+        export_report = onnx.export_checked(model, raw_test, prep, paths.onnx, cfg.export.opset, cfg.export.atol)
         predict.attach_preprocessing(paths.onnx, prep)
         export_report["file_bytes"] = paths.onnx.stat().st_size
         int8 = quantize.quantize_gated(paths.onnx, cfg.export, dataset)
@@ -286,8 +287,7 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
             tracker.log_artifact(int8["file"], "export")
         tracker.log_onnx_model(paths.onnx)
         # the predictor takes raw examples (rows by column name, images, token ids): its input example
-        raw = data.unscaled(dataset, {"mean": prep.mean, "std": prep.std}, dataset.test.x[:5])
-        predictor_uri = tracker.log_predictor(paths.onnx, raw)
+        predictor_uri = tracker.log_predictor(paths.onnx, raw_test[:5])
         tracker.record_digests()  # every model of the run, train's included: `batchlab verify` checks them
         _register(cfg, paths, tracker, predictor_uri)
     log.info("export: %s, max |onnx - torch| = %.2e", paths.onnx, export_report["max_abs_diff"])

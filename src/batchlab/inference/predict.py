@@ -1,7 +1,8 @@
 """`batchlab predict`: raw feature rows in, class and probabilities out, through onnxruntime only.
 
-The ONNX model carries what turns raw rows into its input (feature names, the train split's scaler,
-class names) in its metadata, so a model file alone is enough to predict. No torch import here.
+The ONNX graph takes raw examples and scales them itself (inference/export.py); its metadata names
+the feature columns, the example shape and the classes, so a model file alone is enough to predict.
+No torch import here.
 """
 
 from __future__ import annotations
@@ -57,6 +58,21 @@ class Preprocessing:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.input_shape) if self.input_shape is not None else (len(self.feature_names),)
 
+    @property
+    def raw_dtype(self) -> Any:
+        """What the exported graph takes: token ids as int64, rows and images as float64."""
+        return np.int64 if self.kind == "tokens" else np.float64
+
+    def network_input(self, raw: np.ndarray) -> np.ndarray:
+        """Raw examples as the network takes them (float32), in data.build's arithmetic: float64
+        (x - mean) / std per feature or per channel, then float32; token ids unscaled. The exported
+        graph does the same (export.RawInput); the parity gate compares the two."""
+        if self.kind == "tokens":
+            return np.asarray(raw).astype(np.float32)
+        per = (1, -1, *([1] * (len(self.shape) - 1))) if self.kind == "images" else (1, -1)
+        mean, std = np.asarray(self.mean).reshape(per), np.asarray(self.std).reshape(per)
+        return ((np.asarray(raw, dtype=np.float64) - mean) / std).astype(np.float32)
+
 
 def attach_preprocessing(onnx_path: Path, prep: Preprocessing) -> None:
     """Store `prep` in the ONNX file's metadata (rewritten atomically); the graph is unchanged."""
@@ -94,10 +110,10 @@ class OnnxClassifier:
             took = f"{shape[0]} features" if rows else f"examples of shape {shape}"
             named = f"names {len(self.prep.feature_names)}" if rows else f"says {self.prep.shape}"
             raise DataError(f"{path} takes {took} but its record {named}; re-export it")
-        # broadcast over the examples: per feature, or per channel of (N, C, H, W)
-        per = (-1, *([1] * (len(shape) - 1))) if self.prep.kind == "images" else (-1,)
-        self.mean = np.asarray(self.prep.mean, dtype=np.float64).reshape(per)
-        self.std = np.asarray(self.prep.std, dtype=np.float64).reshape(per)
+        takes = self.session.get_inputs()[0].type  # e.g. tensor(double)
+        if takes != ("tensor(int64)" if self.prep.kind == "tokens" else "tensor(double)"):
+            raise DataError(f"{path} takes {takes}, scaled examples (exported before the scaler moved into the "
+                            "graph); re-export it: `batchlab export` (or `dvc repro export`)")  # fmt: skip
 
     @property
     def n_features(self) -> int:
@@ -109,10 +125,10 @@ class OnnxClassifier:
         return self.prep.kind == "rows"
 
     def predict_proba(self, raw: np.ndarray) -> np.ndarray:
-        # the same arithmetic as data.build: float64 scaling, then float32. A value too large for float32
-        # gives non-finite probabilities, which _write refuses (no warning printed first)
+        # the graph scales (readers checked token ids are whole and in the vocab: int64 is exact). A value
+        # too large for float32 gives non-finite probabilities, which _write refuses (no warning first)
+        x = np.asarray(raw, dtype=self.prep.raw_dtype)
         with np.errstate(over="ignore", invalid="ignore"):
-            x = ((np.asarray(raw, dtype=np.float64) - self.mean) / self.std).astype(np.float32)
             logits = self.session.run(None, {self.input_name: x})[0].astype(np.float64)
             e = np.exp(logits - logits.max(axis=1, keepdims=True))
             return e / e.sum(axis=1, keepdims=True)

@@ -19,7 +19,8 @@ import numpy as np
 
 from batchlab import atomic
 from batchlab.config import ExportConfig
-from batchlab.data import Dataset
+from batchlab.data import Dataset, unscaled
+from batchlab.inference.predict import OnnxClassifier
 
 CALIBRATION_BATCH = 256
 
@@ -123,9 +124,11 @@ def quantize_gated(fp32: Path, cfg: ExportConfig, dataset: Dataset) -> dict[str,
     fp32.with_suffix(".int8.onnx").unlink(missing_ok=True)  # where it was kept before 2026-12: not versioned
     if cfg.quantize == "none":
         return None
-    x_test, y_test = dataset.test.x, dataset.test.y
+    prep = OnnxClassifier(fp32).prep
+    scaler = {"mean": prep.mean, "std": prep.std}  # the graph takes raw examples: calibrate and score on those
+    x_test, y_test = unscaled(dataset, scaler, dataset.test.x), dataset.test.y
     with atomic.atomic_path(out) as tmp:
-        _quantize(fp32, tmp, cfg.quantize, dataset.train.x)
+        _quantize(fp32, tmp, cfg.quantize, unscaled(dataset, scaler, dataset.train.x))
         f1_fp32, f1_int8 = _f1(fp32, x_test, y_test), _f1(tmp, x_test, y_test)
         drop = f1_fp32 - f1_int8
         if drop > cfg.quantize_max_f1_drop:

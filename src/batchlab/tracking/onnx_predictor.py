@@ -2,9 +2,10 @@
 name; images, an array (N, C, H, W) of float64; token ids, an array (N, T) of int64), the class name and
 one probability per class out (`mlflow models serve`, `mlflow.pyfunc.load_model`).
 
-MLflow's ONNX flavor returns the (N, classes) logits flattened into one column and needs scaled
-inputs; this model applies the train split's scaler and a softmax. It is logged as code (MLflow's
-models-from-code): this file is copied into the model and run wherever it is served, so it imports
+MLflow's ONNX flavor returns the (N, classes) logits flattened into one column; this model checks
+the input, hands it to the graph as it is (the graph holds the train split's scaler) and applies a
+softmax. It is logged as code (MLflow's models-from-code): this file is copied into the model and run
+wherever it is served, so it imports
 numpy, pandas, onnxruntime and mlflow only, never batchlab (batchlab/inference/predict.py is its twin for files).
 
 Inference parameter `output`: "all" (default) or "class", the predicted column alone, which is what
@@ -35,9 +36,8 @@ class OnnxPredictor(PythonModel):
         self.shape = tuple(prep.get("input_shape") or [len(self.features)])
         self.vocab = int(prep.get("vocab", 0))
         self.classes = np.asarray(prep["class_names"], dtype=object)
-        per = (-1, *([1] * (len(self.shape) - 1))) if self.kind == "images" else (-1,)  # per channel of (C, H, W)
-        self.mean = np.asarray(prep["mean"], dtype=np.float64).reshape(per)
-        self.std = np.asarray(prep["std"], dtype=np.float64).reshape(per)
+        # what the graph takes, raw: token ids as int64, rows and images as float64 (it scales them itself)
+        self.dtype = np.int64 if self.kind == "tokens" else np.float64
         self.input_name = self.session.get_inputs()[0].name
 
     def _raw(self, model_input: Any) -> np.ndarray:
@@ -64,8 +64,7 @@ class OnnxPredictor(PythonModel):
     # a tensor's for images and tokens: those arrive as numpy arrays)
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> Any:
         raw = self._raw(model_input)
-        x = ((raw - self.mean) / self.std).astype(np.float32)  # the arithmetic of batchlab.data.build
-        logits = self.session.run(None, {self.input_name: x})[0].astype(np.float64)
+        logits = self.session.run(None, {self.input_name: raw.astype(self.dtype)})[0].astype(np.float64)
         e = np.exp(logits - logits.max(axis=1, keepdims=True))
         proba = e / e.sum(axis=1, keepdims=True)
         predicted = pd.Series(self.classes[proba.argmax(axis=1)], name="predicted")

@@ -78,8 +78,8 @@ def log_predictor(run_id: str, onnx_path: Path, example_rows: np.ndarray) -> str
 
 
 def onnx_signature(path: Path) -> Any:
-    """The ONNX graph's own signature (the `onnx_model` flavor's): its input, scaled float32 examples
-    with a dynamic batch axis (-1), and its logits."""
+    """The ONNX graph's own signature (the `onnx_model` flavor's): its input, raw examples (float64;
+    token ids int64: the graph scales them) with a dynamic batch axis (-1), and its logits."""
     import onnx
     from mlflow.models import ModelSignature
     from mlflow.types import Schema, TensorSpec
