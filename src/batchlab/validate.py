@@ -80,6 +80,55 @@ def csv_inside_raw(cfg: DataConfig) -> None:
         )
 
 
+IMAGE_SOURCES = {"digits_images"}  # the other named sources but sequences give feature rows
+MODEL_TAKES = {"mlp": "rows", "cnn": "images", "transformer": "tokens"}  # as model.builtin builds them
+KIND_WORDS = {"rows": "feature rows (N, F)", "images": "images (N, C, H, W)", "tokens": "token ids (N, T) with a vocab"}
+SOURCES_OF = {
+    "rows": "data.source synthetic, csv, breast_cancer, digits, wine, iris or an .npz with x (N, F)",
+    "images": "data.source digits_images or an .npz with x (N, H, W) or (N, C, H, W)",
+    "tokens": "data.source sequences or an .npz with x (N, T) and an integer vocab",
+}
+
+
+def data_kind(cfg: DataConfig, root: Path = Path(".")) -> str | None:
+    """rows, images or tokens: what data.source gives, from the params (an .npz: from its header
+    alone); None when only reading the data can tell (generate reports why)."""
+    if cfg.source == "sequences":
+        return "tokens"
+    if cfg.source != "npz":
+        return "images" if cfg.source in IMAGE_SOURCES else "rows"
+    import zipfile
+
+    from numpy.lib import format as npy
+
+    from batchlab.data.sources import UNREADABLE_ARRAYS
+
+    try:  # x's header only: the array itself may be large
+        with zipfile.ZipFile(root / (cfg.npz_path or "")) as arrays:
+            if "vocab.npy" in arrays.namelist():
+                return "tokens"
+            with arrays.open("x.npy") as x:
+                header = npy.read_array_header_1_0 if npy.read_magic(x) == (1, 0) else npy.read_array_header_2_0
+                ndim = len(header(x)[0])
+    except (*UNREADABLE_ARRAYS, KeyError):
+        return None
+    return {2: "rows", 3: "images", 4: "images"}.get(ndim)
+
+
+def model_fits_data(cfg: Config, root: Path = Path(".")) -> None:
+    """A built-in model.name takes the kind of examples data.source gives (train would refuse them
+    after DVC removed the last model): the MLP rows, the CNN images, the transformer token ids."""
+    if cfg.model.factory is not None:
+        return  # factory_builds runs it on the data's shape
+    kind, takes = data_kind(cfg.data, root), MODEL_TAKES[cfg.model.name]
+    if kind is None or kind == takes:
+        return
+    source = cfg.data.source if cfg.data.source != "npz" else f"npz ({cfg.data.npz_path})"
+    fits = next(name for name, k in MODEL_TAKES.items() if k == kind)
+    raise ConfigError(f"model.name {cfg.model.name} takes {KIND_WORDS[takes]}, but data.source {source} gives "
+                      f"{KIND_WORDS[kind]}: use model.name {fits} for this data, or {SOURCES_OF[takes]}")  # fmt: skip
+
+
 def factory_source(spec: str, root: Path = Path(".")) -> Path | None:
     """The file defining model.factory's function, found without importing anything: under the repo
     root (usermodels/…), else an installed package's (None when only importing can tell); a
@@ -148,6 +197,7 @@ def validate(cfg: Config, root: Path = Path(".")) -> None:
     """Everything that can be checked from the params alone (and model.factory's module: that it
     builds a model for the data); writes the stamp when it passes."""
     csv_inside_raw(cfg.data)
+    model_fits_data(cfg, root)
     if cfg.model.factory is not None:
         factory_source(cfg.model.factory, root)
         factory_builds(cfg, root)
