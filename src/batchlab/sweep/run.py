@@ -7,6 +7,8 @@ reruns as a no-op. One sweep at a time per folder: a second one is refused (Swee
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -28,7 +30,7 @@ def prepare(cfg: Config, paths: stages.Paths) -> Sweep:
     dataset = data.load(paths.data)
     experiments = experiment.plan(cfg, dataset.train.y.shape[0], dataset)
     data_hash = dataset.content_hash()
-    key = cfg.section_hash("model", "train", "sweep") + f"-{data_hash}-{experiment.code_hash()}"
+    key = sweep_key(cfg, data_hash)
     state = sweep_state.load(paths, key)
     finished = {}
     for exp in experiments:
@@ -48,6 +50,19 @@ def prepare(cfg: Config, paths: stages.Paths) -> Sweep:
     elif finished:
         log.info("sweep: resuming, %d of %d experiments already finished", len(finished), len(experiments))
     return sweep
+
+
+# where the experiments run, not what they measure: a sweep resumed on another scheduler (a
+# restarted one's new address) or executor is the same sweep, under the same parent run
+PLACEMENT = {"executor", "dask_address"}
+
+
+def sweep_key(cfg: Config, data_hash: str) -> str:
+    """The sweep's identity in its state.json: its model, train and sweep settings (PLACEMENT left
+    out), the data and the code."""
+    settings = cfg.model_dump(include={"model", "train", "sweep"}, exclude={"sweep": PLACEMENT})
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{digest}-{data_hash}-{experiment.code_hash()}"
 
 
 @contextlib.contextmanager
