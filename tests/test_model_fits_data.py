@@ -4,13 +4,18 @@ the MLP takes rows, the CNN images, the transformer token ids."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
 
+from batchlab.config.sections import DataConfig
+from batchlab.validate import data_kind
 from tests.conftest import TINY, merge, run, write_params
+from tests.test_fuzz import FUZZ, TRAP_FILE, quiet, source_npz
 
 ROWS = "feature rows (N, F)"
 IMAGES = "images (N, C, H, W)"
@@ -75,3 +80,17 @@ def test_validate_passes_a_model_that_takes_the_data(workdir: Path, model: str, 
     proc = run(["batchlab", "validate"], workdir, check=False)
     assert proc.returncode == 0, proc.stderr
     assert (workdir / ".batchlab/params.ok").is_file()
+
+
+@FUZZ
+@given(blob=source_npz())
+def test_the_npz_sources_kind_is_read_or_left_to_generate_on_any_file(blob: bytes) -> None:
+    """validate reads an .npz's kind from x's header without a traceback on any file: None leaves
+    naming what is wrong to generate."""
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "data/raw").mkdir(parents=True)
+        (Path(folder) / "data/raw/x.npz").write_bytes(blob)
+        with quiet():
+            kind = data_kind(DataConfig(source="npz", npz_path="data/raw/x.npz"), Path(folder))
+    assert kind in (None, "rows", "images", "tokens")
+    assert not TRAP_FILE.exists()
