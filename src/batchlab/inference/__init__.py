@@ -1,7 +1,7 @@
 """The trained model as users run it.
 
-export    ONNX export and the parity gate against torch; latency
-quantize  int8 dynamic quantization behind an F1 gate
+export    ONNX export (raw examples in, preprocessing in the graph), the parity gate; latency
+quantize  int8 (dynamic or static) behind an F1 gate
 readers   predict's input files (CSV, Parquet, .npy/.npz), each chunk checked
-predict   raw rows in, class and probabilities out, through onnxruntime only
+predict   raw examples in, class and probabilities out, through onnxruntime only
 """

@@ -2,7 +2,9 @@
 export.quantize_max_f1_drop of the fp32 model on the test split.
 
 At this width int8 buys size, not speed: on the default 10-64-64-2 MLP here the int8 files were
-~2x smaller and no faster (slower at batch 1). The stage reports what it measures.
+~2x smaller and no faster (slower at batch 1). The stage reports what it measures. The graph takes raw
+examples (its preprocessing runs in float64 and stays float): calibration and scoring feed it those.
+Both modes apply to the CNN (ConvInteger / QDQ Conv) and the transformer (its weight MatMuls) too.
 """
 
 from __future__ import annotations
@@ -77,14 +79,15 @@ def _quantize(fp32: Path, out: Path, mode: str, calibration: np.ndarray) -> None
 
     with tempfile.TemporaryDirectory(prefix="batchlab-quantize-") as tmp, _no_root_info():
         prepared = Path(tmp) / "prepared.onnx"
-        # symbolic shape inference is for dynamic shapes inside transformers (and needs sympy); an MLP has none
+        # symbolic shape inference is for dynamic shapes inside transformers (and needs sympy); the built-in
+        # transformer quantizes without it (its shapes past the batch axis are static)
         quant_pre_process(str(fp32), str(prepared), skip_symbolic_shape=True)
         if mode == "dynamic":
             quantize_dynamic(str(prepared), str(out), weight_type=QuantType.QInt8)
         else:  # QDQ: ORT's CPU format; QOperator was ~6x slower on a full batch here
             quantize_static(str(prepared), str(out), Batches(), quant_format=QuantFormat.QDQ,
                             activation_type=QuantType.QInt8, weight_type=QuantType.QInt8)  # fmt: skip
-    # the scaler, feature and class names: the int8 file is as usable by `batchlab predict`
+    # the feature and class names, the example shape: the int8 file is as usable by `batchlab predict`
     source, model = onnx.load(str(fp32)), onnx.load(str(out))
     del model.metadata_props[:]
     model.metadata_props.extend(source.metadata_props)
