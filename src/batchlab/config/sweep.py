@@ -22,7 +22,8 @@ class SweepConfig(Section):
     vectorize_seeds: bool = Field(
         True,
         description="train the seeds of one batch size and lr together in one vectorized model (results equal "
-        "separate runs within 1e-6); ddp, fp16/bf16, accumulation and CUDA train them one after another",
+        "separate runs: the MLP bit for bit, any other module within 1e-5); ddp, fp16/bf16, accumulation, CUDA "
+        "and models with batch statistics train them one after another",
     )
     lr_multipliers: list[float] = Field(
         [1.0], description="each batch size also runs at these multiples of its scaled lr; the best val loss wins"
