@@ -230,6 +230,9 @@ def run(
             raise
         from prefect.settings import PREFECT_API_URL
 
+        # Prefect's log sender, flushed at exit, would print its own failure to reach the server below the line
+        logging.raiseExceptions = False
+
         raise PrefectUnavailable(
             f"lost the Prefect server at {PREFECT_API_URL.value()} mid-sweep ({type(err).__name__}); the finished "
             f"experiments are kept: start it again and run the sweep again to resume"
