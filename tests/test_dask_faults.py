@@ -170,8 +170,8 @@ def _assert_records_as_uninterrupted(servers: Servers, folder: Path, tmp_path: P
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(  # not strict: a server back within BATCHLAB_TRACKING_WAIT_S (30 s) may pass it
-    strict=False,
+@pytest.mark.xfail(  # not run by default: ~10 min to show a known fault (#31 §2, open); run it with --runxfail
+    run=False,
     reason="measured here (the server's restart took ~70 s under load): the sweep exits 0, but an "
     "experiment whose run ended while the server was down keeps a RUNNING child without its model and "
     "result artifact (its end and 529 metric values left in the worker's .batchlab/unrecorded, which "
