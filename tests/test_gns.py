@@ -299,3 +299,30 @@ def test_full_split_period_follows_its_cost_model(batch: int, dropout: float, ev
     probe.after_backward(1, torch.randn(batch, 4), torch.randint(2, (batch,)))
     probe.small(1)
     assert probe.every == every  # the same period every run: the measured steps are reproducible
+
+
+class _ItemInForward(torch.nn.Module):
+    """A user's module whose forward torch.func cannot run a row at a time (`.item()` on data)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) * (1.0 if x.abs().max().item() < 1e9 else 0.0)
+
+
+def test_a_forward_vmap_cannot_run_falls_back_to_the_steps_norms_told_once(caplog: pytest.LogCaptureFixture) -> None:
+    model = _ItemInForward()
+    probe = gns_probes.FullSplitProbe(
+        model, torch.nn.functional.cross_entropy, torch.randn(300, 4), torch.randint(2, (300,)), every=5
+    )
+    measured = [probe.small(step) for step in range(1, 12)]
+    taken = [m for m in measured if m is not None]
+    assert len(taken) == 2 and all(m.row_sq is None and math.isfinite(float(m.cross)) for m in taken)
+    assert sum("torch.func.vmap can run" in r.getMessage() for r in caplog.records) == 1
+    # a forward it can run: the rows' own gradients are taken
+    plain = gns_probes.FullSplitProbe(
+        torch.nn.Linear(4, 2), torch.nn.functional.cross_entropy, torch.randn(300, 4), torch.randint(2, (300,)), every=5
+    )
+    assert all(m.row_sq is not None for m in (plain.small(s) for s in range(1, 12)) if m is not None)

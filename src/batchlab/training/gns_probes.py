@@ -4,6 +4,7 @@ over DDP's ranks. The strategy builds it (strategy.py)."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
@@ -14,6 +15,8 @@ from torch.func import functional_call, grad, vmap
 
 from batchlab.training.gns import MAX_HALF_WINDOW, FullSplitMeasure
 from batchlab.training.gns_exact import is_stochastic
+
+log = logging.getLogger(__name__)
 
 # the rows the full-split probe passes over: the whole train split up to this many (beyond it, as
 # many drawn afresh each time); per pass, FULL_SPLIT_CHUNK rows at a time (its memory)
@@ -74,6 +77,7 @@ class FullSplitProbe:
         self.draw = torch.Generator(device=x.device).manual_seed(0)  # which rows, when the split is larger
         self.draw_rows = torch.Generator(device=x.device)  # the rows tr(Σ) is taken from: seeded by step and rank
         self.step_rows = 0
+        self.rows_fail: str | None = None  # why the rows' own gradients cannot be taken (vmap refused the forward)
         # it measures at the steps k = first, first + every, ..., i.e. the weights after k - 1 steps
         # (None: first = every). A period given (a sweep's, train.gns_every) measures the weights
         # after each multiple of it: a val point's where eval_every_steps divides it, kept there, so
@@ -112,21 +116,37 @@ class FullSplitProbe:
             if self.rng is not None:  # dropout draws from the global RNG: give it this seed's state
                 torch.set_rng_state(self.rng.get_state())
             sums = torch.stack([self._summed_gradient(x, y) for _ in range(self.passes)])
-            share = min(x.shape[0], math.ceil(ROW_SAMPLE / self.world_size))
-            self.draw_rows.manual_seed(step * 1009 + self.rank)  # a resumed run draws the same rows
-            pick = torch.randperm(x.shape[0], generator=self.draw_rows, device=x.device)[:share]
-            squares = torch.stack([row_squares(self.model, self.loss_fn, x[pick], y[pick]),
-                                   torch.tensor(float(share), device=x.device)])  # fmt: skip
+            squares = self._row_squares(step, x, y)
         with torch.no_grad():
             for saved, live in zip(buffers, self.model.buffers(), strict=True):
                 live.copy_(saved)
         if self.world_size > 1:  # every rank's share of the rows: two collectives every `every` steps
             dist.all_reduce(sums)
-            dist.all_reduce(squares)
+            if squares is not None:  # the same model on every rank: all take it, or none
+                dist.all_reduce(squares)
         first, second = sums[0] / rows, sums[-1] / rows
         half_diff_sq = (first - second).square().sum() / 2 if self.passes > 1 else torch.zeros((), device=x.device)
         half_window = max(1, min(self.every // 2, MAX_HALF_WINDOW))
-        return FullSplitMeasure(torch.dot(first, second), half_diff_sq, rows, half_window, squares[0] / squares[1])
+        row_sq = None if squares is None else squares[0] / squares[1]  # None: tr(Σ) from the steps' norms
+        return FullSplitMeasure(torch.dot(first, second), half_diff_sq, rows, half_window, row_sq)
+
+    def _row_squares(self, step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """[sum of sampled rows' |g_row|², their count] on this rank, or None for a model whose forward
+        torch.func cannot run one row at a time (`.item()`, data-dependent control flow): told once,
+        its tr(Σ) then comes from the steps' own gradient norms around the probe, as before."""
+        if self.rows_fail is not None:
+            return None
+        share = min(x.shape[0], math.ceil(ROW_SAMPLE / self.world_size))
+        self.draw_rows.manual_seed(step * 1009 + self.rank)  # a resumed run draws the same rows
+        pick = torch.randperm(x.shape[0], generator=self.draw_rows, device=x.device)[:share]
+        try:
+            total = row_squares(self.model, self.loss_fn, x[pick], y[pick])
+        except Exception as err:  # the user's forward: any error vmap or it raises
+            self.rows_fail = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+            log.warning("noise scale: the rows' own gradients need a forward torch.func.vmap can run (%s); "
+                        "tr(Σ) comes from the steps' gradient norms instead", self.rows_fail)  # fmt: skip
+            return None
+        return torch.stack([total, torch.tensor(float(share), device=x.device)])
 
     def _summed_gradient(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         total: torch.Tensor | None = None
