@@ -87,7 +87,8 @@ def _trainer(
     model = initial_model(cfg, tuple(x.shape[1:]), n_classes, vocab).to(device)
     optimizer = make_optimizer(cfg.train, model.parameters())
     noise = NoiseScale(enabled=True, population=10 * x.shape[0])  # N: only the estimate uses it
-    net = strategy.setup(model, noise, F.cross_entropy, probe_every=PROBING_STEP, train_rows=split)
+    # a period given measures the weights after each multiple of it, i.e. on call period + 1
+    net = strategy.setup(model, noise, F.cross_entropy, probe_every=PROBING_STEP - 1, train_rows=split)
     net.train()
     rows = torch.arange(x.shape[0], device=device)
 
