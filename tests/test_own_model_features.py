@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from batchlab.data import DataError, Dataset
 from batchlab.model import build_model
 from batchlab.training.strategy import Strategy
 from batchlab.training.train import fit
-from tests.conftest import REPO, TINY, env_with_venv, merge, run, set_params, tiny_config, write_params
+from tests.conftest import REPO, TINY, merge, run, set_params, tiny_config, write_params
 from tests.test_train import StopAfter
 
 CPU = Strategy(torch.device("cpu"))
@@ -147,25 +146,12 @@ def test_bf16_trains_to_fp32s_test_accuracy_and_accumulation_equals_the_big_batc
 
 @pytest.mark.slow
 def test_a_killed_cnn_rank_is_restarted_and_resumes_to_the_same_weights(repo_copy: Path) -> None:
-    from tests.test_ddp import DDP, _rank_process, _wait_for_epoch
-    from tests.test_ddp import _max_diff as max_diff
-    from tests.test_ddp import _weights as weights
+    from tests.test_ddp import DDP, killed_rank_resumes_to_the_same_weights
 
     set_params(repo_copy, "data", source="digits_images")
     set_params(repo_copy, "model", name="cnn", channels=[4, 8], dropout=0.1)
     set_params(repo_copy, "train", **DDP, epochs=20, batch_size=16, max_restarts=1)
-    run(["batchlab", "generate"], repo_copy)
-    run(["batchlab", "train"], repo_copy)
-    expected = weights(repo_copy)
-    (repo_copy / "models/model.pt").unlink()
-
-    launcher = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env_with_venv(), stderr=subprocess.PIPE)
-    _wait_for_epoch(repo_copy / ".batchlab/checkpoints/train.pt", 3, launcher)
-    _rank_process(launcher, 1).kill()
-    _, err = launcher.communicate(timeout=300)
-    assert launcher.returncode == 0, err.decode()[-3000:]
-    assert "resuming from" in err.decode()
-    assert max_diff(expected, weights(repo_copy)) == 0.0
+    killed_rank_resumes_to_the_same_weights(repo_copy)
 
 
 PIPELINES = {
