@@ -193,6 +193,27 @@ def set_params(repo: Path, section: str, **values: object) -> None:
     path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
+@pytest.fixture(autouse=True)
+def _mlflow_uri_stays_the_users() -> Iterator[None]:
+    """Each test leaves MLflow's tracking URI as it found it: mlflow.set_tracking_uri also exports
+    MLFLOW_TRACKING_URI (so subprocesses inherit it), and a test that set it in this process sent
+    every later test's runs, and their child processes, to its server, long since stopped (CI:
+    test_tracking's SQLite writers all reached for test_team_load's http://127.0.0.1:...)."""
+    before = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID")}
+    yield
+    if "mlflow" in sys.modules:
+        import mlflow
+        from mlflow.tracking._tracking_service import utils
+
+        if getattr(utils, "_tracking_uri", None) != before["MLFLOW_TRACKING_URI"]:
+            mlflow.set_tracking_uri(before["MLFLOW_TRACKING_URI"])  # sets or unsets the variable too
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture
 def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty working directory, with no tracking URI inherited from the environment."""
