@@ -5,12 +5,17 @@ times; 32 exports at once can clash more often, so a clash that gets through is 
 
 The alias has no compare-and-set: two exports that both read the old champion and both set the
 alias leave whichever wrote last, the worse one as often as not. So each export, after its version
-exists, settles the alias among the champion and every version registered since it began (its own
-and its concurrent rivals'): the best score wins, a tie keeps the champion (then the lower
-number), and it reads back and settles again until what it reads is settled. The last export to
-move the alias reads back after every rival's version exists, so the alias ends on the best of
-them. Versions that existed before are not reconsidered: a champion moved back by hand stays
-until a newer version beats it, as with one export at a time.
+exists, settles the alias among the champion and every version still being settled (its own and
+its concurrent rivals', tagged `batchlab.settling` until their export is done) or registered since
+it began: the best score wins, a tie keeps the champion (then the lower number), and it reads back
+and settles again until what it reads is settled. An export's write can be stale (decided on a
+read a rival has since overtaken), but every writer reads back after it writes, and each version
+that exists then and is not settled is among what it reads, so the alias ends on the best of
+them. Counting rivals from the highest number at the start instead let an export that began
+while a better rival was still settling leave its own, worse, version champion. Versions settled
+before are not reconsidered: a champion moved back by hand stays until a newer version beats it,
+as with one export at a time. (A version whose export died mid-settle keeps its tag and is
+considered by the next export.)
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from batchlab.tracking.backend import retry_locked
 from batchlab.tracking.base import CHAMPION
 
 SETTLE_ROUNDS = 20
+SETTLING = "batchlab.settling"  # on a version while its export settles the alias
 
 
 def _clashed(err: Exception) -> bool:
@@ -71,12 +77,12 @@ def create_version(client: Any, name: str, model_uri: str, tags: dict[str, str])
     raise AssertionError("unreachable")
 
 
-def settle_champion(client: Any, name: str, metric: str, since: int) -> int | None:
-    """Move the alias to the best of the champion and the versions numbered above `since`; the
-    champion's version number once what was read back needed no move."""
+def settle_champion(client: Any, name: str, metric: str, settled: set[int]) -> int | None:
+    """Move the alias to the best of the champion and the versions not in `settled` (those settled
+    when this export began); the champion's version number once what was read back needed no move."""
     for _ in range(SETTLE_ROUNDS):
         champion = _champion(client, name)
-        rivals = [v for v in _versions(client, name) if int(v.version) > since]
+        rivals = [v for v in _versions(client, name) if int(v.version) not in settled]
         held = [] if champion is None else [(_score(champion, metric), 1, -int(champion.version))]
         ranked = held + [(_score(v, metric), 0, -int(v.version)) for v in rivals]
         if not ranked:
@@ -90,7 +96,8 @@ def settle_champion(client: Any, name: str, metric: str, since: int) -> int | No
 
 def register(client: Any, name: str, model_uri: str, tags: dict[str, str], metric: str) -> tuple[str, bool]:
     """A new version of `name` from `model_uri`, and whether the champion alias ends on it."""
-    before = _versions(client, name)
-    since = max((int(v.version) for v in before), default=0)
-    version = create_version(client, name, model_uri, tags)
-    return str(version.version), settle_champion(client, name, metric, since) == int(version.version)
+    settled = {int(v.version) for v in _versions(client, name) if SETTLING not in v.tags}
+    version = create_version(client, name, model_uri, {**tags, SETTLING: "true"})
+    champion = settle_champion(client, name, metric, settled)
+    retry_locked(client.delete_model_version_tag, name, str(version.version), SETTLING)
+    return str(version.version), champion == int(version.version)
