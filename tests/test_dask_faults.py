@@ -272,3 +272,43 @@ def test_scheduler_killed_mid_sweep_is_one_line_and_the_rerun_finishes_with_one_
     assert rerun.wait(timeout=600) == 0, _stderr(folder)[-5000:]
     assert "sweep: resuming, 2 of 2 experiments already finished" in _stderr(folder), _stderr(folder)[-5000:]
     _assert_records_as_uninterrupted(servers, folder, tmp_path)
+
+
+def test_an_interrupt_lands_only_in_the_interrupted_sweeps_task_never_in_the_threads_next_one() -> None:
+    """A Dask worker's thread runs one task after another. An interrupt that read a thread as the
+    sweep's, then set the exception after the thread had moved on, raised it in whatever ran next
+    (3 hits in 5 s of this loop, with threads switching every microsecond); set under the guard the
+    thread leaves by, it lands in the sweep's task or nowhere."""
+    import sys
+    import threading
+
+    from batchlab.sweep import stop
+    from batchlab.tracking import Interrupted
+
+    hits, done = {"task": 0, "next": 0}, threading.Event()
+
+    def worker() -> None:
+        while not done.is_set():
+            try:
+                try:
+                    with stop.registered("interrupted-sweep"):
+                        sum(range(20))  # the sweep's task
+                except Interrupted:
+                    hits["task"] += 1
+                sum(range(20))  # the thread's next task, another sweep's
+            except Interrupted:
+                hits["next"] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        end = time.monotonic() + 5
+        while time.monotonic() < end:
+            stop.interrupt("interrupted-sweep")
+        done.set()
+        thread.join(10)
+    finally:
+        sys.setswitchinterval(interval)
+    assert hits["next"] == 0 and hits["task"] > 0, hits

@@ -5,7 +5,9 @@ sweep stopped by Ctrl-C or SIGTERM went on training on the cluster, into the swe
 MLflow runs, and a rerun raced it. Each task registers its thread under its sweep's id
 (`registered`); an interrupted sweep asks every worker (`Client.run`) to raise
 tracking.Interrupted in those threads (`interrupt`), as SIGTERM does in `batchlab train`: the
-experiment's run ends KILLED and its checkpoint is kept for the rerun.
+experiment's run ends KILLED and its checkpoint is kept for the rerun. A worker's thread runs one
+task after another: the exception is set while the thread is still registered (under the guard),
+and one not raised by the time its task ends is cleared, so it never lands in the next task.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def registered(sweep_id: str) -> Iterator[None]:
     finally:
         with _GUARD:
             _RUNNING[sweep_id].discard(ident)
+            _set_async(ident, None)  # an interrupt that came too late for this task: not the next's
 
 
 def interrupt(sweep_id: str) -> int:
@@ -47,11 +50,16 @@ def interrupt(sweep_id: str) -> int:
     at their next Python instruction. How many there were."""
     from batchlab.tracking import Interrupted
 
-    with _GUARD:
+    with _GUARD:  # held: a thread leaves its task only after this, so it is still that task's
         idents = sorted(_RUNNING.get(sweep_id, ()))
-    for ident in idents:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(Interrupted))
+        for ident in idents:
+            _set_async(ident, Interrupted)
     return len(idents)
+
+
+def _set_async(ident: int, exc: type[BaseException] | None) -> None:
+    """Raise `exc` in thread `ident` at its next Python instruction; None clears one pending."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), None if exc is None else ctypes.py_object(exc))
 
 
 def stop_tasks(address: str, sweep_id: str) -> int:
