@@ -8,7 +8,7 @@ state       a sweep's resume state (state.json)
 lock        one sweep at a time per folder
 groups      the seeds of a batch size trained together as one task; lanes
 preflight   a Dask sweep's checks before anything starts: store, Prefect, scheduler, TLS
-stop        an interrupted Dask sweep stops its tasks running on the workers
+stop        an interrupted or failed Dask sweep stops its tasks running on the workers
 cluster     the experiments as Prefect tasks on a Dask cluster
 executors   local or Dask, decided once per sweep
 run         the whole sweep: plan, resume, parent run, report

@@ -217,16 +217,15 @@ def run(
         flow_ = on_cluster.with_options(task_runner=runner)  # type: ignore[arg-type]
         with _without_tracebacks_of(lost):
             return flow_(cfg, todo, paths, parent_run_id, expected(paths), sweep_id)
-    except (KeyboardInterrupt, tracking.Interrupted):
-        stop.stop_tasks(address, sweep_id)  # Dask would run them to their end
-        raise
     except lost as err:
         raise DaskUnavailable(
             f"lost the Dask scheduler at {address} mid-sweep ({type(err).__name__}); the finished experiments "
             f"are kept: run the sweep again to resume"
         ) from None
-    except Exception as err:
-        if not _unreachable_prefect(err):
+    except BaseException as err:
+        # interrupted, an experiment failed, or Prefect is gone: Dask would run the others to their end
+        stop.stop_tasks(address, sweep_id)
+        if not (isinstance(err, Exception) and _unreachable_prefect(err)):
             raise
         from prefect.settings import PREFECT_API_URL
 

@@ -1,9 +1,9 @@
-"""An interrupted Dask sweep stops the experiments it started on the workers.
+"""An interrupted or failed Dask sweep stops the experiments it started on the workers.
 
 Dask cannot cancel a task that runs: its worker runs it to the end in one of its threads. So a
 sweep stopped by Ctrl-C or SIGTERM went on training on the cluster, into the sweep's folder and its
 MLflow runs, and a rerun raced it. Each task registers its thread under its sweep's id
-(`registered`); an interrupted sweep asks every worker (`Client.run`) to raise
+(`registered`); an interrupted or failed sweep asks every worker (`Client.run`) to raise
 tracking.Interrupted in those threads (`interrupt`), as SIGTERM does in `batchlab train`: the
 experiment's run ends KILLED and its checkpoint is kept for the rerun. A worker's thread runs one
 task after another: the exception is set while the thread is still registered (under the guard),
