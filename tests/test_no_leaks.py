@@ -258,3 +258,29 @@ def test_dask_sweep_leaves_no_process(outcome: str, cluster: tuple[Cluster, dict
         time.sleep(2)  # a few epochs, were it training
         assert checkpoint.stat().st_mtime_ns == before
         assert "Interrupted" in dask.log("solo")  # how the worker's task ended
+
+
+def test_a_stopped_local_sweep_stops_its_lanes_processes_and_no_other_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lanes' stop signals the processes the lanes started (threads.in_fresh_process's), not
+    every child of the sweep's process: one started before the lanes (a caller's, a library's)
+    lives on. Real spawned processes; the lane's wait is a pool thread's, as in the sweep."""
+    import multiprocessing
+    from concurrent.futures import ThreadPoolExecutor
+
+    from batchlab.sweep import executors
+
+    context = multiprocessing.get_context("spawn")
+    other = context.Process(target=time.sleep, args=(120,))
+    other.start()
+    try:
+        others = set(multiprocessing.active_children())
+        lane = context.Process(target=time.sleep, args=(120,))
+        pool = ThreadPoolExecutor(max_workers=1)
+        future = pool.submit(lambda: (lane.start(), lane.join()))
+        wait_until(lambda: lane.pid, "the lane's process to start", timeout=60)
+        monkeypatch.setattr(executors, "ON_THEIR_OWN_S", 0.5)
+        executors._stop(pool, [future], others)
+        assert future.done() and lane.exitcode is not None and other.is_alive()
+    finally:
+        other.kill()
+        other.join(10)

@@ -19,6 +19,7 @@ import signal
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from batchlab.config import Config
@@ -52,6 +53,7 @@ def run_local(cfg: Config, todo: list[Experiment], paths: Paths, parent_run_id: 
             results.update(done)
             progress.finished(done)
         return results
+    others = set(multiprocessing.active_children())  # not the lanes': a stop leaves them be
     pool = ThreadPoolExecutor(max_workers=cfg.sweep.parallel)
     futures = [pool.submit(groups.run_group, cfg, group, paths, parent_run_id) for group in together]
     try:
@@ -62,28 +64,32 @@ def run_local(cfg: Config, todo: list[Experiment], paths: Paths, parent_run_id: 
     except BaseException:
         # a pool thread cannot be interrupted, and it waits on its experiment's process: without this
         # an interrupted (or failed) sweep went on to run every queued experiment before it exited
-        _stop(pool, futures)
+        _stop(pool, futures, others)
         raise
     finally:
         pool.shutdown(wait=True)
     return results
 
 
-def _stop(pool: ThreadPoolExecutor, futures: list[Future[Any]]) -> None:
+def _stop(pool: ThreadPoolExecutor, futures: list[Future[Any]], others: set[BaseProcess]) -> None:
     """No queued group starts; a running one's process is told to stop as Ctrl-C would, unless it
     stops on its own first (a terminal's Ctrl-C reached it too: a second signal would cut short its
-    run's ending), and is killed if it has not ended within STOP_S."""
+    run's ending), and is killed if it has not ended within STOP_S. `others`: this process's children
+    from before the lanes started, which are not the lanes' to stop."""
     pool.shutdown(wait=False, cancel_futures=True)
     running = [f for f in futures if not f.done()]
     if not wait(running, timeout=ON_THEIR_OWN_S).not_done:
         return
-    processes = multiprocessing.active_children()  # threads.in_fresh_process's, one per running group
-    for process in processes:
+
+    def lanes() -> list[BaseProcess]:  # threads.in_fresh_process's, one per running group
+        return [p for p in multiprocessing.active_children() if p not in others]
+
+    for process in lanes():
         if process.pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, signal.SIGINT)
     if wait(running, timeout=STOP_S).not_done:
-        for process in multiprocessing.active_children():
+        for process in lanes():
             process.kill()
 
 
