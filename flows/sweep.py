@@ -46,7 +46,7 @@ def in_lanes(
     """The local executor as Prefect tasks: `sweep.parallel` lanes, each one group at a time."""
     root = str(paths.root)
     futures: list[PrefectFuture[dict[str, Any]]] = []
-    for lane in groups.lanes(groups.groups(cfg, todo), cfg.sweep.parallel):
+    for lane in groups.lanes(groups.groups(cfg, todo, paths), cfg.sweep.parallel):
         previous: list[PrefectFuture[dict[str, Any]]] = []
         for group in lane:  # one lane runs its groups one after another
             name = "+".join(exp.name for exp in group)

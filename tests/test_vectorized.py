@@ -163,14 +163,17 @@ def test_sweep_with_seeds_together_gives_the_sequential_result_rows(
         assert (row["samples_per_s"], row["epoch_seconds"]) == (solo["samples_per_s"], solo["epoch_seconds"])
 
 
-def test_seeds_train_apart_where_the_vectorized_path_does_not_apply(caplog: pytest.LogCaptureFixture) -> None:
+def test_seeds_train_apart_where_the_vectorized_path_does_not_apply(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
     todo = [Experiment(b, s, 0.01, 3) for b in (16, 32) for s in (0, 1)]
-    assert [len(g) for g in groups.groups(tiny_config(sweep={"seeds": [0, 1]}), todo)] == [2, 2]
+    paths = stages.Paths(tmp_path)  # the MLP's seeds group on the config alone: no data read
+    assert [len(g) for g in groups.groups(tiny_config(sweep={"seeds": [0, 1]}), todo, paths)] == [2, 2]
     off = tiny_config(sweep={"seeds": [0, 1], "vectorize_seeds": False})
-    assert [len(g) for g in groups.groups(off, todo)] == [1, 1, 1, 1]
+    assert [len(g) for g in groups.groups(off, todo, paths)] == [1, 1, 1, 1]
     ddp = tiny_config(train={"strategy": "ddp", "nproc": 2}, sweep={"seeds": [0, 1]})
     with caplog.at_level(logging.INFO, logger="batchlab.sweep.groups"):
-        assert [len(g) for g in groups.groups(ddp, todo)] == [1, 1, 1, 1]
+        assert [len(g) for g in groups.groups(ddp, todo, paths)] == [1, 1, 1, 1]
     said = [r.getMessage() for r in caplog.records if r.name == "batchlab.sweep.groups"]
     assert len(said) == 1 and "seeds train one after another: train.strategy ddp with 2 ranks" in said[0]
     with pytest.raises(ValueError, match="fp16"):

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchlab import data, stages
 from batchlab.config import Config
 from batchlab.data import Dataset, Split, build
 from batchlab.seeds import vectorized
@@ -202,17 +203,26 @@ def test_interrupted_cnn_group_resumes_in_either_path_to_the_uninterrupted_resul
     ],
 )  # fmt: skip
 def test_a_model_the_vmap_path_cannot_take_trains_its_seeds_apart_saying_why(
-    factory: str, reason: str, caplog: pytest.LogCaptureFixture
+    factory: str, reason: str, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     model = {"factory": f"{HERE}:{factory}"}
     cfgs = [tiny_config(data=IMAGES, model=model, train={"epochs": 2, "seed": seed}) for seed in (0, 1)]
     dataset = _dataset(cfgs[0])
-    # the config cannot tell: the sweep groups the seeds, fit_seeds finds the reason on the model
-    todo = [Experiment(32, s, 0.01, 2) for s in (0, 1)]
-    assert [len(g) for g in groups.groups(tiny_config(model=model, sweep={"seeds": [0, 1]}), todo)] == [2]
+    # the config cannot tell: the sweep tries the model on the prepared rows, and does not group
+    # its seeds (each then fills a lane and keeps its own wall time), saying why once
+    paths = stages.Paths(tmp_path)
+    data.save(dataset, build(cfgs[0].data)[1], paths.data)
+    todo = [Experiment(b, s, 0.01, 2) for b in (16, 32) for s in (0, 1)]
+    sweep_cfg = tiny_config(data=IMAGES, model=model, sweep={"seeds": [0, 1]})
+    with caplog.at_level(logging.INFO, logger="batchlab.sweep.groups"):
+        assert [len(g) for g in groups.groups(sweep_cfg, todo, paths)] == [1, 1, 1, 1]
+    said = [r.getMessage() for r in caplog.records if r.name == "batchlab.sweep.groups"]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"sweep: seeds train one after another: model.factory {HERE}:{factory}: {reason}")
+    # fit_seeds, given such seeds all the same, finds the reason itself and fits each as fit does
     with caplog.at_level(logging.INFO, logger="batchlab.seeds.vectorized"):
         together = vectorized.fit_seeds(cfgs, dataset, Strategy(CPU))
-    said = [r.getMessage() for r in caplog.records if "one after another" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if r.name == "batchlab.seeds.vectorized"]
     assert len(said) == 1, said
     assert said[0].startswith(f"seeds 0, 1 train one after another: model.factory {HERE}:{factory}: {reason}"), said
     for cfg, result in zip(cfgs, together, strict=True):  # each is its separate run: the same code ran

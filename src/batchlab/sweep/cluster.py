@@ -149,7 +149,7 @@ def on_cluster(
     experiment, or the seeds of one batch size trained together, as the local executor groups them."""
     root, outputs = str(paths.root.resolve()), os.path.relpath(paths.outputs, paths.root)
     futures = []
-    for group in groups.groups(cfg, todo):
+    for group in groups.groups(cfg, todo, paths):
         name = "+".join(exp.name for exp in group)
         futures.append(experiment.submit(cfg, group, name, root, outputs, parent_run_id, want, sweep_id))
     results: dict[str, dict[str, Any]] = {}

@@ -45,7 +45,7 @@ class Executor:
 def run_local(cfg: Config, todo: list[Experiment], paths: Paths, parent_run_id: str | None) -> Results:
     """`sweep.parallel` groups at once on this machine (each in its own process when above one)."""
     # the seeds of one batch size and lr train together (groups.py); alone where they cannot
-    together = groups.groups(cfg, todo)
+    together = groups.groups(cfg, todo, paths)
     results: Results = {}
     if cfg.sweep.parallel == 1:  # in this thread: Ctrl-C and SIGTERM interrupt the training itself
         for group in together:

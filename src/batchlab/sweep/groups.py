@@ -7,7 +7,8 @@ runs are opened once the group has trained: MLflow keeps one active run per thre
 child runs cannot be open at once, and a model is logged into the active run.
 
 Where seeds cannot train together (support.seeds_train_apart: ddp, fp16/bf16, accumulation,
-CUDA) or `sweep.vectorize_seeds` is false, each experiment trains alone, as before.
+CUDA; or the model: BatchNorm, random draws of its own) or `sweep.vectorize_seeds` is false, each
+experiment trains alone, as before.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import logging
 import time
 from typing import Any, TypeVar
 
+import torch
+
 from batchlab import data, stages
 from batchlab.config import Config
 from batchlab.seeds import vectorized
@@ -23,18 +26,25 @@ from batchlab.seeds.vectorized import trains_together
 from batchlab.sweep import experiment, scoring
 from batchlab.sweep.experiment import Experiment
 from batchlab.training import threads
-from batchlab.training.strategy import session
+from batchlab.training.strategy import Strategy, session
 from batchlab.training.support import seeds_train_apart
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def groups(cfg: Config, todo: list[Experiment]) -> list[list[Experiment]]:
+def groups(cfg: Config, todo: list[Experiment], paths: stages.Paths) -> list[list[Experiment]]:
     """The experiments to run, grouped by (batch size, lr multiplier) when their seeds can train
-    together, else one per group; says once why they cannot."""
+    together, else one per group; says once why they cannot. A model other than the MLP is tried
+    on a batch of the prepared train rows (seeds/functional.why_apart): one that must train its
+    seeds apart (BatchNorm, its own random draws) is not grouped, so its seeds fill the lanes and
+    each keeps its own wall time."""
     reason = seeds_train_apart(cfg)
-    if not trains_together(cfg):
+    if trains_together(cfg) and not cfg.model.is_mlp():
+        dataset = data.load(paths.data)
+        rows = torch.from_numpy(dataset.train.x[: cfg.train.batch_size])
+        reason = vectorized.model_trains_apart(cfg, dataset, Strategy(torch.device("cpu")), rows)
+    if reason is not None or not trains_together(cfg):
         if reason is not None and cfg.sweep.vectorize_seeds and len(cfg.sweep.seeds) > 1:
             log.info("sweep: seeds train one after another: %s", reason)
         return [[exp] for exp in todo]
