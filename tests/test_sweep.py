@@ -34,6 +34,19 @@ def test_lr_scaling_rules() -> None:
     assert scaled_lr(0.01, 64, 16, "none") == 0.01
 
 
+def test_where_a_sweep_runs_is_not_what_it_is() -> None:
+    """Resumed on another executor, scheduler or number of lanes, a sweep keeps its parent run and
+    its earlier attempts' wall time (state.json's key), as its experiments keep their results;
+    what it measures (a batch size, the epochs) makes it another sweep."""
+    from batchlab.sweep.run import sweep_key
+
+    base = sweep_key(tiny_config(), "data")
+    moved = tiny_config(sweep={"executor": "dask", "dask_address": "tcp://10.0.0.2:8786", "parallel": 2})
+    assert sweep_key(moved, "data") == base
+    assert sweep_key(tiny_config(sweep={"epochs": 4}), "data") != base
+    assert sweep_key(tiny_config(sweep={"batch_sizes": [16, 32]}), "data") != base
+
+
 @pytest.mark.slow
 def test_sweep_records_parent_children_and_report(workdir: Path) -> None:
     uri = f"sqlite:///{workdir / 'mlflow.db'}"

@@ -53,8 +53,8 @@ def prepare(cfg: Config, paths: stages.Paths) -> Sweep:
 
 
 # where the experiments run, not what they measure: a sweep resumed on another scheduler (a
-# restarted one's new address) or executor is the same sweep, under the same parent run
-PLACEMENT = {"executor", "dask_address"}
+# restarted one's new address), executor or number of lanes is the same sweep, under the same parent run
+PLACEMENT = {"executor", "dask_address", "parallel"}
 
 
 def sweep_key(cfg: Config, data_hash: str) -> str:
