@@ -154,9 +154,11 @@ class NoiseScale:
 
     def record_step(self, norm: torch.Tensor, measured: FullSplitMeasure | None, batch: int) -> None:
         """One optimizer step: the norm of its gradient (the mean over `batch` rows) and, on a
-        measured step, the probe's measurement, completed by the squared norms of the steps
-        around it (`half_window` each side), so read `half_window` steps later. No tensor op
-        unless a window completes; nothing here waits for the device."""
+        measured step, the probe's measurement. One with the rows' own squared gradient norms
+        (`row_sq`, the usual case) is complete at once; one without (a forward vmap cannot run) is
+        completed by the squared norms of the steps around it (`half_window` each side), so read
+        `half_window` steps later. No tensor op unless a window completes; nothing here waits for
+        the device."""
         self.steps += 1
         self._recent.append(norm)
         if self._open:

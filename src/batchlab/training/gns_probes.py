@@ -56,8 +56,10 @@ class FullSplitProbe:
     """|G|² at the current weights from the mean gradient over the train split (up to
     FULL_SPLIT_ROWS rows), taken twice with independent dropout masks: their dot product is
     unbiased for |G|² (the masks' noise cancels; over the whole split the rows' noise is gone), and
-    half their squared difference measures the masks' noise. The steps' own gradient norms give
-    tr(Σ) (gns.NoiseScale). Every `every`-th step (default `full_split_every` from the step's rows).
+    half their squared difference measures the masks' noise. tr(Σ) comes from the same weights:
+    the per-example gradients (torch.func) of ROW_SAMPLE train rows drawn for the step; where vmap
+    cannot run the model's forward, from the steps' own gradient norms around it (gns.NoiseScale's
+    window). Every `every`-th step (default `full_split_every` from the step's rows).
 
     Runs in fp32 outside autocast, leaves the weights' gradients (torch.autograd.grad), the
     buffers (a BatchNorm's running statistics) and the global RNG as it found them, so training
