@@ -405,3 +405,51 @@ def test_on_a_terminal_the_sweep_draws_a_bar_of_experiments(workdir: Path) -> No
     text = out.decode(errors="replace")
     assert proc.wait(timeout=60) == 0, text
     assert "sweep: 100%" in text and "2/2" in text and "experiment" in text, text
+
+
+@pytest.mark.slow
+def test_an_experiment_whose_end_the_server_missed_keeps_no_result_and_its_next_try_is_one_finished_run(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real `mlflow server` killed as an experiment's run ends: the experiment writes no
+    result.json and fails as transient, naming what its run lacks (before: it counted as done, its
+    child RUNNING without its end, and every rerun took its result.json for done). Its next try,
+    with the server back, ends that run KILLED and records the experiment in one FINISHED run."""
+    from batchlab import tracking
+    from batchlab.sweep import scoring
+    from batchlab.tracking import outage
+    from tests.conftest import mlflow_on_postgres
+
+    monkeypatch.setattr(outage, "FINAL_WAIT_S", 1.0)  # the end's wait for the server, 30 s by default
+    with mlflow_on_postgres(workdir) as server:
+        cfg = tiny_config(tracking={"enabled": True, "tracking_uri": server.uri, "experiment": "missed"})
+        paths = stages.Paths(workdir)
+        stages.generate(cfg, paths)
+        client = MlflowClient(server.uri)
+        parent = client.create_run(client.create_experiment("missed")).info.run_id
+        exp = plan(cfg, 420)[0]
+        real = scoring.score
+
+        def scored_then_the_server_dies(*args: Any, **kwargs: Any) -> dict[str, Any]:
+            result = real(*args, **kwargs)
+            server.kill()  # the run's end comes next
+            return result
+
+        monkeypatch.setattr(scoring, "score", scored_then_the_server_dies)
+        with pytest.raises(tracking.TrackingUnavailable, match=r"lacks the end of the run \(FINISHED\)"):
+            experiment.train_and_score(cfg, exp, paths, parent)
+        assert not (experiment.experiment_paths(paths, exp).outputs / "result.json").exists()
+
+        monkeypatch.setattr(scoring, "score", real)
+        server.start()
+        row = experiment.train_and_score(cfg, exp, paths, parent)
+        runs = client.search_runs([client.get_experiment_by_name("missed").experiment_id],
+                                  f"tags.mlflow.parentRunId = '{parent}'")  # fmt: skip
+        assert sorted(r.info.status for r in runs) == ["FINISHED", "KILLED"]
+        (finished,) = [r for r in runs if r.info.status == "FINISHED"]
+        assert finished.info.run_id == row["run_id"]
+        (workdir / "got").mkdir()
+        stored = client.download_artifacts(row["run_id"], experiment.RESULT_ARTIFACT, str(workdir / "got"))
+        assert json.loads(Path(stored).read_text()) == json.loads(
+            (experiment.experiment_paths(paths, exp).outputs / "result.json").read_text()
+        )

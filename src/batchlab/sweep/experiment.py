@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from batchlab import atomic, data, stages
+from batchlab import atomic, data, stages, tracking
 from batchlab.config import Config, parse_config
 from batchlab.seeds.vectorized import trains_together
 from batchlab.sweep import probes, scoring, truth
@@ -228,7 +228,22 @@ def train_one(
     with stages.training(exp_cfg, folder, dataset, parent_run_id, f"sweep-{exp.name}", tags) as (tracker, trained):
         measured = measure(cfg, exp_cfg, dataset, trained.history)
         result = scoring.score(exp, key, trained, dataset, measured, time.perf_counter() - started, tracker)
+    fully_recorded(exp, tracker)
     return keep(cfg, paths, exp, result)
+
+
+def fully_recorded(exp: Experiment, tracker: tracking.Tracker) -> None:
+    """An experiment counts once its child run holds all of it (its end, model and result row): one
+    whose run the tracking backend stayed away from keeps no result.json and fails as transient
+    (TrackingUnavailable), so its Prefect task is tried again; that try ends the unfinished run
+    KILLED (stored_result) and trains the experiment anew. Without this the sweep finished with a
+    RUNNING child that held no model and no result, and a rerun took its result.json for done."""
+    missing = tracker.unrecorded()
+    if missing:
+        raise tracking.TrackingUnavailable(
+            f"sweep: {exp.name}: the tracking backend stayed unreachable and run {tracker.run_id} lacks "
+            f"{'; '.join(missing)}; the experiment runs again (run the sweep again if this one stops)"
+        )
 
 
 def measure(cfg: Config, exp_cfg: Config, dataset: data.Dataset, history: list[dict[str, float]]) -> dict[str, float]:

@@ -124,6 +124,7 @@ def _train_together(
             measured = experiment.measure(cfg, exp_cfg, dataset, trained.history)
             seconds = share + time.perf_counter() - begun
             scored = scoring.score(exp, key, trained, dataset, measured, seconds, tracker)
+        experiment.fully_recorded(exp, tracker)
         results[exp.name] = experiment.keep(cfg, paths, exp, scored)
     return results
 

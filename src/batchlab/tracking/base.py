@@ -81,3 +81,7 @@ class Tracker:
 
     def flush(self) -> None:
         pass
+
+    def unrecorded(self) -> list[str]:
+        """What the backend did not take (it stayed unreachable), once the run has ended."""
+        return []

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from batchlab.config import TrackingConfig
+from batchlab.tracking import outage
 from batchlab.tracking.backend import resolve_uri, retry_locked
 from batchlab.tracking.base import REAPED
 from batchlab.tracking.record import download
@@ -52,7 +53,8 @@ def finished_or_superseded(
     cfg: TrackingConfig, parent_run_id: str | None, tag: str, value: str, artifact: str
 ) -> dict[str, Any] | None:
     """The JSON `artifact` of the first FINISHED child of `parent_run_id` tagged `tag` = `value`.
-    When there is none, the work is about to run again: its RUNNING attempts are ended KILLED,
+    When there is none, the work is about to run again: its RUNNING attempts (and FINISHED ones
+    without the artifact, whose writes the backend did not take) are ended KILLED,
     wherever they ran (the owner checks in lifecycle see only this host's), and None is returned.
     None at once when tracking is off or there is no parent."""
     if not cfg.enabled or parent_run_id is None:
@@ -65,10 +67,11 @@ def finished_or_superseded(
     for run in runs:
         if run.info.status == "FINISHED" and (stored := _stored(run.info.run_id, artifact, uri)) is not None:
             return stored
-    for run in runs:
-        if run.info.status == "RUNNING":
+    for run in runs:  # RUNNING, or FINISHED without its artifact: the backend went away as it ended
+        if run.info.status in ("RUNNING", "FINISHED"):
             retry_locked(client.set_tag, run.info.run_id, REAPED, f"superseded: {tag} {value} runs again")
             retry_locked(client.set_terminated, run.info.run_id, "KILLED")
+            outage.unrecorded_path(run.info.run_id).unlink(missing_ok=True)  # what its end could not send
             log.warning("tracking: ended run %s as KILLED: its work (%s) runs again", run.info.run_id, value)
     return None
 

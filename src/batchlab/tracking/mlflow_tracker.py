@@ -67,8 +67,9 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Param
 
         batch = [Param(k, str(v)[:6000]) for k, v in params.items()]
-        for i in range(0, len(batch), 100):
-            retry_locked(self.client.log_batch, self.run_id, params=batch[i : i + 100])
+        for i in range(0, len(batch), 100):  # log_batch(run_id, metrics, params): through an outage
+            part = batch[i : i + 100]
+            self._persist(f"{len(part)} params", self.client.log_batch, self.run_id, [], part)
 
     def log_epoch(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -106,7 +107,8 @@ class MlflowTracker(Tracker):
         self._backend.came_back()
 
     def _persist(self, what: str, call: Callable[..., Any], *args: Any) -> Any:
-        """An end-of-run write; when the backend stays away, `what` is named as not recorded."""
+        """A write that waits through an outage (outage.Backend.persist: FINAL_WAIT_S in all over the
+        run's writes); when the backend stays away, `what` is named as not recorded."""
         recorded, result = self._backend.persist(lambda: retry_locked(call, *args))
         if not recorded:
             self._not_recorded.append(what)
@@ -119,7 +121,8 @@ class MlflowTracker(Tracker):
     def set_tags(self, tags: Mapping[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        retry_locked(self.client.log_batch, self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        listed = [RunTag(k, str(v)) for k, v in tags.items()]  # log_batch(run_id, metrics, params, tags)
+        self._persist(f"tags {', '.join(tags)}", self.client.log_batch, self.run_id, [], [], listed)
 
     def log_artifact(self, path: str | Path, folder: str | None = None) -> None:
         self._persist(Path(path).name, self.client.log_artifact, self.run_id, str(path), folder)
@@ -275,6 +278,9 @@ class MlflowTracker(Tracker):
                     mlflow.end_run(status)
         if self._pending or self._not_recorded:
             self._warn_unrecorded(status)
+
+    def unrecorded(self) -> list[str]:
+        return [*self._not_recorded, *([f"{len(self._pending)} metric values"] if self._pending else [])]
 
     def _warn_unrecorded(self, status: str) -> None:
         lost = list(self._not_recorded)
