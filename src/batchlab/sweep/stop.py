@@ -7,7 +7,9 @@ MLflow runs, and a rerun raced it. Each task registers its thread under its swee
 tracking.Interrupted in those threads (`interrupt`), as SIGTERM does in `batchlab train`: the
 experiment's run ends KILLED and its checkpoint is kept for the rerun. A worker's thread runs one
 task after another: the exception is set while the thread is still registered (under the guard),
-and one not raised by the time its task ends is cleared, so it never lands in the next task.
+and one not raised by the time its task ends is cleared, so it never lands in the next task. Each
+thread is told once: the exception can land in the context manager's own exit, before the thread
+is taken off the register, and a second interrupt would then reach it in its next task.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def registered(sweep_id: str) -> Iterator[None]:
         yield
     finally:
         with _GUARD:
-            _RUNNING[sweep_id].discard(ident)
+            _RUNNING.get(sweep_id, set()).discard(ident)
             _set_async(ident, None)  # an interrupt that came too late for this task: not the next's
 
 
@@ -51,7 +53,7 @@ def interrupt(sweep_id: str) -> int:
     from batchlab.tracking import Interrupted
 
     with _GUARD:  # held: a thread leaves its task only after this, so it is still that task's
-        idents = sorted(_RUNNING.get(sweep_id, ()))
+        idents = sorted(_RUNNING.pop(sweep_id, ()))  # each told once: a second would outlive the task
         for ident in idents:
             _set_async(ident, Interrupted)
     return len(idents)
