@@ -51,9 +51,9 @@ class Watched:
             with contextlib.suppress(OSError):
                 if process.pid != self.proc.pid and os.getsid(process.pid) == self.proc.pid:
                     found.append(process)
-        for process in found:
+        for process in found:  # read again each time: one first seen between fork and exec has its parent's
             with contextlib.suppress(psutil.Error):
-                self.seen.setdefault(process.pid, (process.create_time(), " ".join(process.cmdline())))
+                self.seen[process.pid] = (process.create_time(), " ".join(process.cmdline()))
 
     def alive(self, pattern: str = "") -> list[str]:
         """The command lines of the processes seen that still run (and contain `pattern`)."""
