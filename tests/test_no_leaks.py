@@ -51,9 +51,13 @@ class Watched:
             with contextlib.suppress(OSError):
                 if process.pid != self.proc.pid and os.getsid(process.pid) == self.proc.pid:
                     found.append(process)
-        for process in found:  # read again each time: one first seen between fork and exec has its parent's
+        for process in found:
             with contextlib.suppress(psutil.Error):
-                self.seen[process.pid] = (process.create_time(), " ".join(process.cmdline()))
+                created, cmdline = process.create_time(), " ".join(process.cmdline())
+                # read again while it changes: one first seen between fork and exec has its parent's
+                # command line; an exiting one (a zombie) has none, and keeps what it had
+                if cmdline or process.pid not in self.seen:
+                    self.seen[process.pid] = (created, cmdline)
 
     def alive(self, pattern: str = "") -> list[str]:
         """The command lines of the processes seen that still run (and contain `pattern`)."""

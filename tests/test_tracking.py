@@ -128,8 +128,11 @@ def test_sigterm_ends_the_run_killed(repo_copy: Path) -> None:
     set_params(repo_copy, "tracking", enabled=True)
     set_params(repo_copy, "train", epochs=500, batch_size=16)
     run(["batchlab", "generate"], repo_copy)
-    proc = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env_with_venv(), stderr=subprocess.PIPE)
+    # the store made first: a client created as the training creates it raced MLflow's schema
+    # creation (CI: "table sql_trace_metric_daily_rollups already exists")
     client = MlflowClient(f"sqlite:///{repo_copy / 'mlflow.db'}")
+    client.search_experiments()
+    proc = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env_with_venv(), stderr=subprocess.PIPE)
 
     def logging_epochs() -> list[Any]:
         runs = client.search_runs([client.get_experiment_by_name("batchlab").experiment_id])
