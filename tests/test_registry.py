@@ -43,6 +43,16 @@ class _Paced:
         return paced
 
 
+def _registry_with_a_model(tmp_path: Path) -> tuple[str, MlflowClient, str]:
+    """A SQLite store holding one logged model: its URI, a client, the model's URI to register."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    with mlflow.start_run(experiment_id=client.create_experiment("exports")) as made:
+        mlflow.pyfunc.log_model(name="model", python_model=_Constant(), pip_requirements=[])
+    return uri, client, f"runs:/{made.info.run_id}/model"
+
+
 def _thread(client: Any, source: str, score: float, out: dict[float, tuple[str, bool]]) -> threading.Thread:
     def export() -> None:
         out[score] = registry.register(client, NAME, source, {"f1": f"{score:.2f}"}, "f1")
@@ -57,12 +67,7 @@ def test_an_export_that_starts_while_a_better_one_settles_leaves_the_better_one_
     starts, registers v3 (0.92), decides, and is held before writing the alias. A settles on v2
     and finishes; then B writes. Counting B's rivals from the highest number at its start (2), B
     decided v3 over v1 without seeing v2, wrote it last, read it back as settled: v3 stayed."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    mlflow.set_tracking_uri(uri)
-    client = MlflowClient(uri)
-    with mlflow.start_run(experiment_id=client.create_experiment("exports")) as made:
-        mlflow.pyfunc.log_model(name="model", python_model=_Constant(), pip_requirements=[])
-    source = f"runs:/{made.info.run_id}/model"
+    uri, client, source = _registry_with_a_model(tmp_path)
     assert registry.register(client, NAME, source, {"f1": "0.90"}, "f1") == ("1", True)
 
     a = _Paced(MlflowClient(uri), "get_model_version_by_alias")
@@ -85,12 +90,7 @@ def test_an_export_that_starts_while_a_better_one_settles_leaves_the_better_one_
 
 
 def test_a_champion_moved_back_by_hand_stays_until_a_newer_version_beats_it(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    mlflow.set_tracking_uri(uri)
-    client = MlflowClient(uri)
-    with mlflow.start_run(experiment_id=client.create_experiment("exports")) as made:
-        mlflow.pyfunc.log_model(name="model", python_model=_Constant(), pip_requirements=[])
-    source = f"runs:/{made.info.run_id}/model"
+    _, client, source = _registry_with_a_model(tmp_path)
     for score in (0.90, 0.95):
         registry.register(client, NAME, source, {"f1": f"{score:.2f}"}, "f1")
     client.set_registered_model_alias(NAME, tracking.CHAMPION, "1")  # a person's choice
