@@ -39,12 +39,13 @@ def groups(cfg: Config, todo: list[Experiment], paths: stages.Paths) -> list[lis
     on a batch of the prepared train rows (seeds/functional.why_apart): one that must train its
     seeds apart (BatchNorm, its own random draws) is not grouped, so its seeds fill the lanes and
     each keeps its own wall time."""
-    reason = seeds_train_apart(cfg)
-    if trains_together(cfg) and not cfg.model.is_mlp():
+    reason, grouped = seeds_train_apart(cfg), trains_together(cfg)
+    if grouped and not cfg.model.is_mlp():
         dataset = data.load(paths.data)
         rows = torch.from_numpy(dataset.train.x[: cfg.train.batch_size])
         reason = vectorized.model_trains_apart(cfg, dataset, Strategy(torch.device("cpu")), rows)
-    if reason is not None or not trains_together(cfg):
+        grouped = reason is None
+    if not grouped:
         if reason is not None and cfg.sweep.vectorize_seeds and len(cfg.sweep.seeds) > 1:
             log.info("sweep: seeds train one after another: %s", reason)
         return [[exp] for exp in todo]
