@@ -300,12 +300,18 @@ def source_npz(draw: st.DrawFn) -> bytes:
     kind = draw(st.sampled_from(["nasty"] * 5 + ["fine"] * 3 + ["bytes"]))
     if kind == "bytes":
         return draw(st.binary(max_size=200))
-    if kind == "fine":  # rows or images of plain numbers, two or three classes (as ints or strings)
+    if kind == "fine":  # rows or images of plain numbers, or token ids; two or three classes (as ints or strings)
         n = draw(st.integers(12, 40))
+        y = np.random.default_rng(n).integers(0, draw(st.integers(2, 3)), n)
+        y = y.astype(draw(st.sampled_from([np.int64, "U1"])))
+        if draw(st.integers(0, 3)) == 0:  # token ids (N, T) with their vocab, as the transformer takes them
+            vocab = draw(st.integers(2, 50))
+            ids = draw(hnp.arrays(draw(st.sampled_from([np.int64, np.int32, np.uint8])), (n, draw(st.integers(1, 6))),
+                                  elements=st.integers(0, vocab - 1)))  # fmt: skip
+            return _saved(draw, {"x": ids, "y": y, "vocab": np.array(vocab)}, npz=True, damage=False)
         shape = draw(st.sampled_from([(n, 3), (n, 2, 2), (n, 1, 2, 2)]))
         x = _plain(draw, n, int(np.prod(shape[1:]))).reshape(shape).astype(draw(st.sampled_from(["f8", "f4"])))
-        y = np.random.default_rng(n).integers(0, draw(st.integers(2, 3)), n)
-        return _saved(draw, {"x": x, "y": y.astype(draw(st.sampled_from([np.int64, "U1"])))}, npz=True, damage=False)
+        return _saved(draw, {"x": x, "y": y}, npz=True, damage=False)
     n = draw(st.integers(0, 12))
     x_shape = draw(st.sampled_from([(n, 3)] * 4 + [(n,), (n, 0), (n, 2, 2), (n, 1, 2, 2), (n, 1, 1, 1, 1), ()]))
     y_shape = draw(st.sampled_from([(n,)] * 4 + [(n + 1,), (n, 1), ()]))
@@ -315,6 +321,9 @@ def source_npz(draw: st.DrawFn) -> bytes:
     else:
         y = draw(arrays(y_shape))
     named = {"x": draw(arrays(x_shape)), "y": y}
+    if draw(st.integers(0, 3)) == 0:  # a vocab: x is then token ids, whatever x and the vocab hold
+        named["vocab"] = draw(st.one_of(arrays(draw(st.sampled_from([(), (), (1,), (2,)]))),
+                                        st.integers(-3, 2**40).map(np.array)))  # fmt: skip
     for key in draw(st.sets(st.sampled_from(["x", "y"]), max_size=1)):
         named[key.upper()] = named.pop(key)  # one array under a wrong name
     return _saved(draw, named, npz=True)
@@ -517,6 +526,9 @@ def _valid_dataset(dataset: data.Dataset) -> None:
         assert len(split.y) and split.x.shape == (len(split.y), *dataset.input_shape)
         assert np.isfinite(split.x).all() and split.x.dtype == np.float32
         assert split.y.min() >= 0 and split.y.max() < dataset.n_classes
+        if dataset.kind == "tokens":  # ids, unscaled: whole numbers within the vocab
+            assert dataset.vocab >= 2 and np.array_equal(split.x, np.round(split.x))
+            assert split.x.min() >= 0 and split.x.max() < dataset.vocab
 
 
 def _builds_or_refuses(source: str, blob: bytes) -> None:
@@ -531,7 +543,7 @@ def _builds_or_refuses(source: str, blob: bytes) -> None:
             one_line(err)
         else:
             _valid_dataset(dataset)
-            valid("dataset")
+            valid(f"dataset of {dataset.kind}")
     nothing_unpickled()
 
 

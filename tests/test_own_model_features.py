@@ -1,7 +1,7 @@
 """Issue #27's features on the networks that are not the MLP: the CNN on the digits as images, the
 transformer on token sequences and a model.factory (usermodels/residual.py). Resume bit for bit, bf16
-and accumulation, a DDP rank restart, the MLflow predictor (signature, registry, pyfunc predict), and
-token ids from an .npz."""
+and accumulation, fp16 under its loss scale, a DDP rank restart, the MLflow predictor (signature,
+registry, pyfunc predict), and token ids from an .npz."""
 
 from __future__ import annotations
 
@@ -142,6 +142,19 @@ def test_bf16_trains_to_fp32s_test_accuracy_and_accumulation_equals_the_big_batc
     x = torch.from_numpy(dataset.test.x)
     with torch.no_grad():  # logits of up to ~5: 1e-5 of them
         torch.testing.assert_close(accumulated.eval()(x), one.eval()(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_fp16_under_its_loss_scale_trains_to_fp32s_accuracy_and_reads_the_noise_scale_unscaled(
+    kind: str, at_repo: None
+) -> None:
+    dataset, probed = _dataset(kind), {"epochs": 4, "gns_every": 10}
+    fp32 = fit(_config(kind, **probed), dataset, CPU)
+    fp16 = fit(_config(kind, precision="fp16", **probed), dataset, Strategy(torch.device("cpu"), precision="fp16"))
+    assert _max_diff(fp32.model, fp16.model) > 1e-4  # it really ran in fp16
+    assert abs(_test_accuracy(fp16.model, dataset) - _test_accuracy(fp32.model, dataset)) <= 0.03
+    for key in ("gns.grad_sq", "gns.trace_sigma"):  # the loss scale (65536) squared would make them ~4e9x
+        assert fp16.history[-1][key] == pytest.approx(fp32.history[-1][key], rel=0.5), key
 
 
 @pytest.mark.slow
