@@ -13,6 +13,9 @@ so they cost as much per seed together as apart.
 The CNN rows (issue #27) take the same sweep experiment's settings with the built-in CNN
 (params.yaml's channels [16, 32], dropout 0.1) on the digits as 8x8 images, batch 32: its seeds
 train together through vmap over functional_call (seeds/functional.py), not the MLP's kernels.
+Beside them, `cnn_floor`: each kind of call a seed's run makes, by one seed's model on its rows
+and on 5x them, weighted by how often an epoch makes it: what 5 seeds' arithmetic costs through
+one set of weights, which no stacking of the seeds shares away where a call's cost grows with its rows.
 
     python benchmarks/run_all.py --only seeds    # or `make bench`: results.json and the README tables
     python benchmarks/bench_seeds.py --cnn       # the CNN rows alone, printed (nothing written)
@@ -27,6 +30,7 @@ import time
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from batchlab.config import Config, load_config
 from batchlab.data import Dataset, build
@@ -118,8 +122,72 @@ def cnn_rows(base: Config) -> dict[str, Any]:
         ratio = median[name] / median["1 seed, fit()"]
         target = verdict(ratio <= TARGET) if "together" in name else ""
         table.add(CNN_BATCH, name, f"{median[name]:.2f}", f"{ratio:.2f}×", target)
-    return {"table": table, "seconds": times, "median_seconds": median,
+    return {"table": table, "floor": cnn_floor(cfgs[0], dataset), "seconds": times, "median_seconds": median,
             "load_average_before": load_before, "load_average_after": load_after}  # fmt: skip
+
+
+def _best_ms(call: Any, repeats: int = 15) -> float:
+    call()  # warm-up
+    return min(seconds(call) for _ in range(repeats)) * 1e3
+
+
+def cnn_floor(cfg: Config, dataset: Dataset) -> Table:
+    """What 5 seeds' arithmetic costs on this machine: each kind of call a seed's run makes, by one
+    seed's model on its rows and on 5x them (5 seeds' rows through one set of weights), weighted by
+    how often an epoch makes it. Where the calls cost in proportion to their rows, no way of
+    stacking the seeds brings 5 of them near one seed's time."""
+    from batchlab.training.gns_probes import FULL_SPLIT_CHUNK, ROW_SAMPLE, row_squares
+    from batchlab.training.train import initial_model, predict_logits, split_tensors
+
+    tc, cpu = cfg.train, torch.device("cpu")
+    with torch.random.fork_rng():
+        model = initial_model(cfg, dataset.input_shape, dataset.n_classes, dataset.vocab).train()
+    x, y = split_tensors(dataset.train, cpu)
+    xv, _ = split_tensors(dataset.val, cpu)
+    n_seeds = len(SEEDS)
+
+    def step_on(xs: torch.Tensor, ys: torch.Tensor) -> Any:  # a step's forward and backward
+        return torch.autograd.grad(F.cross_entropy(model(xs), ys), list(model.parameters()))
+
+    def step(rows: int) -> Any:
+        xs, ys = x.repeat(n_seeds, *[1] * (x.dim() - 1))[:rows], y.repeat(n_seeds)[:rows]
+        return lambda: step_on(xs, ys)
+
+    def passes(times: int) -> Any:  # the probe's pass over the train split, FULL_SPLIT_CHUNK rows a call
+        xs, ys = x.repeat(times, *[1] * (x.dim() - 1)), y.repeat(times)
+        return lambda: [step_on(xs[i : i + FULL_SPLIT_CHUNK], ys[i : i + FULL_SPLIT_CHUNK])
+                        for i in range(0, xs.shape[0], FULL_SPLIT_CHUNK)]  # fmt: skip
+
+    def val(times: int) -> Any:
+        rows = xv.repeat(times, *[1] * (xv.dim() - 1))
+        return lambda: (predict_logits(model, rows, Strategy(cpu)), model.train())
+
+    def own(times: int) -> Any:
+        k = min(x.shape[0], ROW_SAMPLE)
+        xs, ys = x[:k].repeat(times, *[1] * (x.dim() - 1)), y[:k].repeat(times)
+        return lambda: row_squares(model, F.cross_entropy, xs, ys)
+
+    steps = dataset.train.y.shape[0] // tc.batch_size
+    per_epoch = {"training step": steps, "val scoring": steps // (tc.eval_every_steps or steps) + 1,
+                 "probe: a pass over the train split": 2 * steps // (tc.gns_every or steps),
+                 "probe: rows' own gradients": steps // (tc.gns_every or steps)}  # fmt: skip
+    calls = {"training step": (step(tc.batch_size), step(n_seeds * tc.batch_size)),
+             "val scoring": (val(1), val(n_seeds)),
+             "probe: a pass over the train split": (passes(1), passes(n_seeds)),
+             "probe: rows' own gradients": (own(1), own(n_seeds))}  # fmt: skip
+    table = Table(
+        f"What {n_seeds} seeds' arithmetic costs, the CNN: each call of a seed's run (batch {tc.batch_size}, "
+        f"1 thread) by one seed's model on its rows and on {n_seeds}x them, fastest of 15; load average "
+        f"{os.getloadavg()[0]:.2f}",
+        ["call", "per epoch", "its rows, ms", f"{n_seeds}x the rows, ms", "ratio"],
+    )
+    one = five = 0.0
+    for name, (single, many) in calls.items():
+        a, b = _best_ms(single), _best_ms(many)
+        one, five = one + per_epoch[name] * a, five + per_epoch[name] * b
+        table.add(name, per_epoch[name], f"{a:.2f}", f"{b:.2f}", f"{b / a:.2f}×")
+    table.add("an epoch, weighted", "", f"{one:.0f}", f"{five:.0f}", f"{five / one:.2f}×")
+    return table
 
 
 def study_base() -> Config:
@@ -162,18 +230,21 @@ def main() -> dict[str, Any]:
     load = {"load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
     table.title += f"; load average {load_before:.2f} before, {load['load_average_after']:.2f} after"
     cnn = cnn_rows(base)
-    measured[f"cnn-{CNN_BATCH}"] = {k: v for k, v in cnn.items() if k != "table"}
+    measured[f"cnn-{CNN_BATCH}"] = {k: v for k, v in cnn.items() if k not in ("table", "floor")}
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text("\n\n".join(f"**{t.title}**\n\n" + "\n".join(" | ".join(row) for row in t.rows)
-                               for t in (table, cnn["table"])) + "\n")  # fmt: skip
-    for t in (table, cnn["table"]):
+                               for t in (table, cnn["table"], cnn["floor"])) + "\n")  # fmt: skip
+    for t in (table, cnn["table"], cnn["floor"]):
         print_table(t)
-    return {"tables": [table.as_dict(), cnn["table"].as_dict()], "measured": measured, **load}
+    tables = [table.as_dict(), cnn["table"].as_dict(), cnn["floor"].as_dict()]
+    return {"tables": tables, "measured": measured, **load}
 
 
 if __name__ == "__main__":
     if "--cnn" in sys.argv[1:]:
         torch.set_num_threads(1)
-        print_table(cnn_rows(study_base())["table"])
+        cnn = cnn_rows(study_base())
+        print_table(cnn["table"])
+        print_table(cnn["floor"])
     else:
         main()
