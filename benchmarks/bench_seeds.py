@@ -136,7 +136,7 @@ def cnn_floor(cfg: Config, dataset: Dataset) -> Table:
     seed's model on its rows and on 5x them (5 seeds' rows through one set of weights), weighted by
     how often an epoch makes it. Where the calls cost in proportion to their rows, no way of
     stacking the seeds brings 5 of them near one seed's time."""
-    from batchlab.training.gns_probes import FULL_SPLIT_CHUNK, ROW_SAMPLE, row_squares
+    from batchlab.training.gns_probes import ROW_SAMPLE, FullSplitProbe, row_squares
     from batchlab.training.train import initial_model, predict_logits, split_tensors
 
     tc, cpu = cfg.train, torch.device("cpu")
@@ -144,33 +144,34 @@ def cnn_floor(cfg: Config, dataset: Dataset) -> Table:
         model = initial_model(cfg, dataset.input_shape, dataset.n_classes, dataset.vocab).train()
     x, y = split_tensors(dataset.train, cpu)
     xv, _ = split_tensors(dataset.val, cpu)
+    probe = FullSplitProbe(model, F.cross_entropy, x, y)  # its passes: 2 with dropout, 1 without
     n_seeds = len(SEEDS)
 
-    def step_on(xs: torch.Tensor, ys: torch.Tensor) -> Any:  # a step's forward and backward
-        return torch.autograd.grad(F.cross_entropy(model(xs), ys), list(model.parameters()))
+    def times(t: torch.Tensor, k: int) -> torch.Tensor:  # t's rows k times over
+        return t.repeat(k, *[1] * (t.dim() - 1))
 
-    def step(rows: int) -> Any:
-        xs, ys = x.repeat(n_seeds, *[1] * (x.dim() - 1))[:rows], y.repeat(n_seeds)[:rows]
-        return lambda: step_on(xs, ys)
+    def step(rows: int) -> Any:  # a training step's forward and backward
+        xs, ys = times(x, n_seeds)[:rows], times(y, n_seeds)[:rows]
+        return lambda: torch.autograd.grad(F.cross_entropy(model(xs), ys), probe.params)
 
-    def passes(times: int) -> Any:  # the probe's pass over the train split, FULL_SPLIT_CHUNK rows a call
-        xs, ys = x.repeat(times, *[1] * (x.dim() - 1)), y.repeat(times)
-        return lambda: [step_on(xs[i : i + FULL_SPLIT_CHUNK], ys[i : i + FULL_SPLIT_CHUNK])
-                        for i in range(0, xs.shape[0], FULL_SPLIT_CHUNK)]  # fmt: skip
+    def passes(k: int) -> Any:  # the probe's own pass over the train split (its chunks)
+        xs, ys = times(x, k), times(y, k)
+        return lambda: probe._summed_gradient(xs, ys)
 
-    def val(times: int) -> Any:
-        rows = xv.repeat(times, *[1] * (xv.dim() - 1))
+    def val(k: int) -> Any:
+        rows = times(xv, k)
         return lambda: (predict_logits(model, rows, Strategy(cpu)), model.train())
 
-    def own(times: int) -> Any:
-        k = min(x.shape[0], ROW_SAMPLE)
-        xs, ys = x[:k].repeat(times, *[1] * (x.dim() - 1)), y[:k].repeat(times)
+    def own(k: int) -> Any:
+        rows = min(x.shape[0], ROW_SAMPLE)
+        xs, ys = times(x[:rows], k), times(y[:rows], k)
         return lambda: row_squares(model, F.cross_entropy, xs, ys)
 
     steps = dataset.train.y.shape[0] // tc.batch_size
+    probes = steps // (tc.gns_every or steps)
     per_epoch = {"training step": steps, "val scoring": steps // (tc.eval_every_steps or steps) + 1,
-                 "probe: a pass over the train split": 2 * steps // (tc.gns_every or steps),
-                 "probe: rows' own gradients": steps // (tc.gns_every or steps)}  # fmt: skip
+                 "probe: a pass over the train split": probe.passes * probes,
+                 "probe: rows' own gradients": probes}  # fmt: skip
     calls = {"training step": (step(tc.batch_size), step(n_seeds * tc.batch_size)),
              "val scoring": (val(1), val(n_seeds)),
              "probe: a pass over the train split": (passes(1), passes(n_seeds)),
