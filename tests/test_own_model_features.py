@@ -5,6 +5,8 @@ registry, pyfunc predict), and token ids from an .npz."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import json
 from collections.abc import Iterator, Mapping
@@ -18,7 +20,7 @@ import torch
 
 from batchlab import data, stages
 from batchlab.config import ConfigError, load_config
-from batchlab.data import DataError, Dataset
+from batchlab.data import SPLITS, DataError, Dataset, Split
 from batchlab.model import build_model
 from batchlab.training.strategy import Strategy
 from batchlab.training.train import fit
@@ -59,16 +61,21 @@ def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
 
-def _without_key_bias(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The weights but attention's key bias: softmax ignores a constant added to every key's score,
-    so the loss has no gradient there, and Adam turns the rounding noise it gets instead into steps of
-    about +-lr (4e-3 apart after 2 epochs here, with logits within 1e-6)."""
-    out = dict(weights)
-    for name, value in weights.items():
-        if name.endswith("self_attn.in_proj_bias"):
-            d = value.shape[0] // 3  # query, key, value
-            out[name] = torch.cat([value[:d], value[2 * d :]])
-    return out
+def _in_float64(dataset: Dataset) -> Dataset:
+    """The same examples as float64 arrays (token ids stay whole numbers): with torch's default dtype
+    float64 too, the model trains in float64."""
+    splits = {name: Split(getattr(dataset, name).x.astype(np.float64), getattr(dataset, name).y) for name in SPLITS}
+    return dataclasses.replace(dataset, **splits)
+
+
+@contextlib.contextmanager
+def float64_default() -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _test_accuracy(model: torch.nn.Module, dataset: Dataset) -> float:
@@ -125,7 +132,7 @@ def test_resume_after_an_interruption_ends_with_the_same_weights_bit_for_bit(
 
 
 @pytest.mark.parametrize("kind", MODELS)
-def test_bf16_trains_to_fp32s_test_accuracy_and_accumulation_equals_the_big_batch(kind: str, at_repo: None) -> None:
+def test_bf16_trains_to_fp32s_test_accuracy(kind: str, at_repo: None) -> None:
     dataset = _dataset(kind)
     fp32 = fit(_config(kind, epochs=4), dataset, CPU)
     bf16 = fit(_config(kind, epochs=4, precision="bf16"), dataset, Strategy(torch.device("cpu"), precision="bf16"))
@@ -133,15 +140,28 @@ def test_bf16_trains_to_fp32s_test_accuracy_and_accumulation_equals_the_big_batc
     assert _test_accuracy(fp32.model, dataset) > 0.8
     assert abs(_test_accuracy(bf16.model, dataset) - _test_accuracy(fp32.model, dataset)) <= 0.03
     assert bf16.history[-1]["val_loss"] == pytest.approx(fp32.history[-1]["val_loss"], rel=0.1)
-    # accumulation: no dropout, whose masks depend on how the batch is cut
-    one = fit(_config(kind, epochs=2, model={"dropout": 0.0}), dataset, CPU).model
-    cfg = _config(kind, epochs=2, grad_accum_steps=4, model={"dropout": 0.0})
-    accumulated = fit(cfg, dataset, Strategy(torch.device("cpu"), grad_accum_steps=4)).model
-    want, got = _without_key_bias(_weights(one)), _without_key_bias(_weights(accumulated))
-    assert max((want[k] - got[k]).abs().max().item() for k in want) < 1e-5
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_accumulation_equals_the_big_batch_in_float64(kind: str, at_repo: None) -> None:
+    """4 micro-batches of 8 make the same steps as one batch of 32: true in exact arithmetic, so it is
+    checked in float64. In float32 the two sum a batch's gradient in another order, and Adam turns the
+    ~1e-7 difference on a parameter whose gradient is zero in exact arithmetic (attention's key bias:
+    softmax ignores a constant on every key) into steps of about +-lr: 4e-3 apart after 2 epochs here,
+    2.2e-3 on another CPU after leaving that bias out. In float64 they agree to 7e-12 (transformer),
+    6e-15 (factory), 3e-16 (CNN), every parameter included; Adam's eps (1e-8) dwarfs rounding there.
+    No dropout: its masks depend on how the batch is cut."""
+    dataset = _in_float64(_dataset(kind))
+    with float64_default():
+        one = fit(_config(kind, epochs=2, model={"dropout": 0.0}), dataset, CPU).model
+        cfg = _config(kind, epochs=2, grad_accum_steps=4, model={"dropout": 0.0})
+        accumulated = fit(cfg, dataset, Strategy(torch.device("cpu"), grad_accum_steps=4)).model
+    want, got = _weights(one), _weights(accumulated)
+    assert all(w.dtype == torch.float64 for w in want.values())
+    assert max((want[k] - got[k]).abs().max().item() for k in want) < 1e-9
     x = torch.from_numpy(dataset.test.x)
-    with torch.no_grad():  # logits of up to ~5: 1e-5 of them
-        torch.testing.assert_close(accumulated.eval()(x), one.eval()(x), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(accumulated.eval()(x), one.eval()(x), rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("kind", MODELS)
@@ -154,7 +174,17 @@ def test_fp16_under_its_loss_scale_trains_to_fp32s_accuracy_and_reads_the_noise_
     assert _max_diff(fp32.model, fp16.model) > 1e-4  # it really ran in fp16
     assert abs(_test_accuracy(fp16.model, dataset) - _test_accuracy(fp32.model, dataset)) <= 0.03
     for key in ("gns.grad_sq", "gns.trace_sigma"):  # the loss scale (65536) squared would make them ~4e9x
-        assert fp16.history[-1][key] == pytest.approx(fp32.history[-1][key], rel=0.5), key
+        ratio = _geometric_mean(fp16.history, key) / _geometric_mean(fp32.history, key)
+        assert 1 / 4 < ratio < 4, (key, ratio)
+
+
+def _geometric_mean(history: list[dict[str, Any]], key: str) -> float:
+    """A reading over the run's epochs. fp16 trains to other weights than fp32, and one reading of |G|²
+    near the end follows them: the factory's last reading was 0.83-2.42x fp32's over 5 seeds here
+    (0.41x on another CPU), one epoch's up to 8.3x; the geometric mean of the 4 epochs' readings was
+    0.67-1.46x (CNN 0.88-0.98x, transformer 0.99-1.00x; tr(Σ) 0.85-1.07x). The bound, 4x either way,
+    is 2.7x beyond that spread and 9 decades short of the fault it guards (the loss scale squared)."""
+    return float(np.exp(np.mean([np.log(row[key]) for row in history])))
 
 
 @pytest.mark.slow
