@@ -11,7 +11,7 @@ export PREFECT_HOME ?= $(abspath .prefect)
 export PREFECT_LOGGING_EXTRA_LOGGERS ?= batchlab
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run compare test test-fast lint format bench ui serve clean
+.PHONY: help setup run compare test test-fast test-durations lint format bench ui serve clean
 
 help:  ## this list
 	@sed -n 's/^\([a-z-]*\):.*## \(.*\)/  make \1\t\2/p' $(firstword $(MAKEFILE_LIST)) | expand -t 19
@@ -46,15 +46,20 @@ format: setup  ## ruff format, then ruff check --fix
 	$(BIN)/ruff check --fix .
 
 # pytest-xdist workers: one per core this process may use (nproc), at most 8 (each loads torch);
-# WORKERS=0 runs one process. A module that defines a module-scoped fixture runs on one worker
-# (tests/conftest.py's scheduler), so the fixture is built once. The whole suite on 2 workers took
-# 32 min here, against 84 min in one process: most slow tests wait on servers and subprocesses.
+# WORKERS=0 runs one process. Tests are handed out longest first by tests/durations.json, and the
+# tests that share a module-scoped fixture go to one worker (tests/support/tiers.py).
+# The tiers: unit (unmarked, in-process), integration and e2e (both also `slow`): tests/support/tiers.py.
 WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$((n < 8 ? n : 8)))
-test: lint  ## lint, type-check, then the whole test suite, on every core
-	$(BIN)/python -m pytest -n $(WORKERS)
+PYTEST := $(BIN)/python -m pytest -n $(WORKERS)
+test: lint  ## lint, type-check, the unit tier, then the integration and e2e tiers, on every core
+	$(PYTEST) -m "not slow"
+	$(PYTEST) -m slow
 
-test-fast: lint  ## lint, type-check, then the tests not marked slow (unit and in-process), on every core
-	$(BIN)/python -m pytest -m "not slow" -n $(WORKERS)
+test-fast: lint  ## lint, type-check, then the unit tier (in-process, no process starts), on every core
+	$(PYTEST) -m "not slow"
+
+test-durations: setup  ## the whole suite, its per-test seconds merged into tests/durations.json (the order of `make test`)
+	BATCHLAB_DURATIONS_OUT=tests/durations.json $(PYTEST)
 
 bench: setup  ## speed and overhead tables -> benchmarks/results.json and docs/benchmarks.md
 	$(BIN)/python -m pip install -q -r benchmarks/requirements.txt -c requirements.lock

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import functools
 import os
@@ -22,6 +21,8 @@ import yaml
 from batchlab import tracking
 from batchlab.config import Config, parse_config
 from batchlab.data import Dataset, build
+
+pytest_plugins = ["tests.support.tiers", "pytester"]  # the tiers, their guard, order and summary; test_tiers
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -58,40 +59,6 @@ def pytest_configure(config: pytest.Config) -> None:
         import torch
 
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(workers)))
-
-
-@functools.cache
-def _defines_a_shared_fixture(module: Path) -> bool:
-    """Whether a test module defines a module- or class-scoped fixture (its source read, not imported)."""
-    try:
-        tree = ast.parse(module.read_text())
-    except (OSError, SyntaxError):
-        return False
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "fixture":
-            scopes = [kw.value for kw in node.keywords if kw.arg == "scope" and isinstance(kw.value, ast.Constant)]
-            if any(scope.value in ("module", "class") for scope in scopes):
-                return True
-    return False
-
-
-@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin nothing calls it
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`-n N` (`make test-fast`) hands out tests one at a time as `--dist load` does, except that a
-    module defining a module- or class-scoped fixture goes to one worker whole, so the fixture is
-    built once, not once per worker: test_predict's pipeline is five CLI stages, ~10 s. (A mark
-    and `--dist loadgroup` would say the same, but pytest-xdist 3.8 renames the test to group it
-    through an attribute pytest 9.2 no longer reads, so groups are ignored.)"""
-    if config.getvalue("dist") != "load":
-        return None  # another --dist asked for by name
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ModuleFixtureScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return module if _defines_a_shared_fixture(config.rootpath / module) else nodeid
-
-    return ModuleFixtureScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -236,7 +203,20 @@ def repo_copy(tmp_path: Path) -> Path:
 
 
 def copy_repo(dest: Path) -> Path:
-    """The repo's tracked files at `dest`, in a fresh git + DVC repo, with tiny params."""
+    """The repo's tracked files at `dest`, in a fresh git + DVC repo, with tiny params: a copy of
+    one template per test process (one `git init/add/commit`, not one per test)."""
+    shutil.copytree(_template_repo(), dest, symlinks=True)
+    return dest
+
+
+@functools.cache
+def _template_repo() -> Path:
+    import atexit
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="batchlab-template-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    dest = root / "repo"
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     for rel in files:
         src = REPO / rel
@@ -276,9 +256,11 @@ class MlflowServer:
         artifacts = str(self.folder / "artifacts")
         cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", port, "--workers", "1",
                "--backend-store-uri", self.store, "--artifacts-destination", artifacts]  # fmt: skip
+        # without MLflow's GenAI job runners, as `make ui` starts it: 8 processes fewer per server
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         with open(self.folder / "server.log", "a") as log:
             # its own process group: `mlflow server` runs uvicorn as a child, and kill() takes both
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True, env=env)
         wait_until(
             lambda: tracking.check_reachable(self.uri, timeout_s=1) is None,
             f"mlflow server {self.uri}",

@@ -268,7 +268,7 @@ def test_a_tls_address_without_dask_tls_config_is_one_line_naming_the_variables(
     assert all(name in str(refused.value) for name in TLS_VARS)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_each_server_refuses_a_client_without_its_credentials(servers: Servers) -> None:
     from distributed import Client
     from distributed.security import Security
@@ -298,7 +298,7 @@ def test_each_server_refuses_a_client_without_its_credentials(servers: Servers) 
         assert client.submit(sum, [1, 2]).result(timeout=60) == 3
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_the_pipeline_flow_and_the_dask_sweep_run_with_the_credentials(
     servers: Servers, project: Path, swept: subprocess.CompletedProcess[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -324,7 +324,7 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_wrong_credentials_are_one_line_naming_the_variable_and_change_nothing(
     servers: Servers, project: Path, swept: subprocess.CompletedProcess[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -385,7 +385,7 @@ def _git_history(repo: Path) -> bytes:
     return subprocess.run(["git", "log", "-p", "--all"], cwd=repo, capture_output=True, check=True).stdout
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_no_secret_is_in_the_stores_the_logs_the_outputs_or_git(
     servers: Servers, project: Path, swept: subprocess.CompletedProcess[str]
 ) -> None:

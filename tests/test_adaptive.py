@@ -176,7 +176,7 @@ def test_a_batchnorm_model_says_why_it_cannot_adapt(
         fit(cfg, tiny_dataset, CPU)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_ddp_takes_the_single_process_schedule_to_the_same_weights(repo_copy: Path) -> None:
     """Two gloo ranks read the same noise scale (the probe all-reduces, the norms are global), so
     they take the single process's decisions, each rank half of every batch."""
@@ -208,6 +208,7 @@ def test_ddp_takes_the_single_process_schedule_to_the_same_weights(repo_copy: Pa
     assert "batch_size" in history[0].split(",")
 
 
+@pytest.mark.integration
 def test_the_studys_adaptive_row_is_scipys_paired_test_of_the_result_rows(tmp_path: Path) -> None:
     """sweep.adaptive end to end in one process: the report's paired differences and p-values are
     recomputed here from the result.json rows (scipy's ttest_rel and t interval), and the verdict's

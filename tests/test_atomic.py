@@ -56,6 +56,7 @@ with atomic.atomic_path(sys.argv[1]) as tmp:
 """
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", ["file", "folder"])
 def test_a_sigkilled_writers_temporary_goes_at_the_next_write_and_a_running_ones_stays(
     tmp_path: Path, kind: str

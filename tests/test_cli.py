@@ -86,6 +86,7 @@ sys.exit(status)
         (["generate"], 0, "torch,mlflow"),
     ],
 )
+@pytest.mark.integration
 def test_help_usage_errors_and_validate_skip_the_heavy_imports(
     argv: list[str], status: int, unwanted: str, tmp_path: Path
 ) -> None:
@@ -116,7 +117,7 @@ MLFLOW_CHATTER = (
 )
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_tracked_stages_print_their_own_lines_and_no_mlflow_info(tmp_path: Path) -> None:
     tracked = {"tracking": {"enabled": True, "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}}
     write_params(tmp_path, merge(TINY, tracked))
@@ -132,6 +133,7 @@ def test_tracked_stages_print_their_own_lines_and_no_mlflow_info(tmp_path: Path)
     assert not chatter, chatter
 
 
+@pytest.mark.integration
 def test_ui_url_is_the_plain_address_until_the_store_exists_and_creates_nothing(tmp_path: Path) -> None:
     write_params(tmp_path, TINY)
     store = tmp_path / "mlflow.db"
@@ -139,6 +141,7 @@ def test_ui_url_is_the_plain_address_until_the_store_exists_and_creates_nothing(
     assert shown.strip() == "http://127.0.0.1:5123" and not store.exists()
 
 
+@pytest.mark.integration
 def test_the_program_ends_with_the_commands_status_and_its_output_written(tmp_path: Path) -> None:
     write_params(tmp_path, TINY)
     shown = run(["batchlab", "ui-url", "--port", "5123"], tmp_path)  # stdout is a pipe: block-buffered
@@ -147,7 +150,7 @@ def test_the_program_ends_with_the_commands_status_and_its_output_written(tmp_pa
     assert failed.returncode == 2 and "no prepared dataset" in failed.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_train_picks_its_threads_when_train_threads_is_0(tmp_path: Path) -> None:
     write_params(tmp_path, merge(TINY, {"train": {"threads": 0, "epochs": 1}}))
     run(["batchlab", "generate"], tmp_path)
@@ -165,6 +168,7 @@ main()
 """
 
 
+@pytest.mark.integration
 def test_the_program_collects_no_garbage_while_loading_and_resumes_when_training_starts(tmp_path: Path) -> None:
     write_params(tmp_path, merge(TINY, {"train": {"epochs": 1}}))
 
@@ -205,6 +209,7 @@ def test_a_process_calling_main_or_fit_itself_keeps_its_collector_as_it_was(
         ([], "batchlab: error: the following arguments are required: <command>"),
     ],
 )  # fmt: skip
+@pytest.mark.integration
 def test_a_usage_error_is_one_line_naming_the_argument_and_exit_2(argv: list[str], message: str) -> None:
     proc = subprocess.run(["batchlab", *argv], env=env_with_venv(), capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stdout == ""

@@ -169,7 +169,7 @@ def _assert_records_as_uninterrupted(servers: Servers, folder: Path, tmp_path: P
     return {c.info.run_id: c.info.status for c in children}
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("outage_s", [OUTAGE_S, 45], ids=["back-5-s-later", "back-45-s-later"])
 def test_mlflow_server_killed_mid_sweep_and_back_later_the_sweep_finishes(
     outage_s: int, servers: Servers, tmp_path: Path
@@ -196,7 +196,7 @@ def test_mlflow_server_killed_mid_sweep_and_back_later_the_sweep_finishes(
     _assert_records_as_uninterrupted(servers, folder, tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_prefect_server_killed_mid_sweep_and_back_5_s_later_the_sweep_finishes(
     servers: Servers, tmp_path: Path
 ) -> None:
@@ -215,7 +215,7 @@ def test_prefect_server_killed_mid_sweep_and_back_5_s_later_the_sweep_finishes(
     _assert_records_as_uninterrupted(servers, folder, tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_prefect_server_killed_mid_sweep_for_good_is_one_line_and_the_rerun_finishes(
     servers: Servers, tmp_path: Path
 ) -> None:
@@ -243,7 +243,7 @@ def test_prefect_server_killed_mid_sweep_for_good_is_one_line_and_the_rerun_fini
     _assert_records_as_uninterrupted(servers, folder, tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_scheduler_killed_mid_sweep_is_one_line_and_the_rerun_finishes_with_one_run_each(
     servers: Servers, tmp_path: Path
 ) -> None:

@@ -194,7 +194,7 @@ def _children(setup: Setup, folder: Path) -> tuple[Any, list[Any]]:
     return client.get_run(parent_id), children
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_dask_sweep_equals_the_local_sweep_with_one_child_run_per_experiment(setup: Setup, tmp_path: Path) -> None:
     folder = _sweep_dir(setup, "equal")
     _sweep(folder, setup.env)
@@ -214,7 +214,7 @@ def test_dask_sweep_equals_the_local_sweep_with_one_child_run_per_experiment(set
     assert len(list((folder / "sweep" / "experiments").glob("*/result.json"))) == 2
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_worker_killed_mid_experiment_reruns_it_on_the_other_worker(setup: Setup, tmp_path: Path) -> None:
     _w2(setup)
     shutil.rmtree(setup.clone / "sweep", ignore_errors=True)  # what earlier tests left in w2's checkout
@@ -244,7 +244,7 @@ def test_worker_killed_mid_experiment_reruns_it_on_the_other_worker(setup: Setup
     _assert_f1_equals_the_local_executor(folder, tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_worker_killed_after_finishing_an_experiment_is_not_trained_again(setup: Setup, tmp_path: Path) -> None:
     """w1 paused, so w2 finishes an experiment while the sweep still waits for the other, and dies
     with the result in its memory: Dask runs that task again on w1, which must find it finished."""
@@ -294,7 +294,7 @@ def _prepared(folder: Path) -> dict[str, Any]:
     return params
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_sqlite_tracking_is_refused_before_anything_runs(tmp_path: Path) -> None:
     params = _prepared(tmp_path)
     sqlite = {"enabled": True, "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
@@ -310,7 +310,7 @@ def _no_tracking(params: dict[str, Any], address: str, **sweep: Any) -> dict[str
     return merge(params, {"tracking": {"enabled": False}, "sweep": {**SWEEP, "dask_address": address, **sweep}})
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_address_where_nothing_listens_is_refused_within_seconds(tmp_path: Path) -> None:
     params = _prepared(tmp_path)
     address = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
@@ -324,7 +324,7 @@ def test_address_where_nothing_listens_is_refused_within_seconds(tmp_path: Path)
     assert not (tmp_path / "sweep").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_scheduler_that_takes_the_connection_and_never_answers_is_given_up_after_5_s(tmp_path: Path) -> None:
     """A real `dask scheduler`, stopped (SIGSTOP): the kernel still accepts connections on its port,
     and nothing ever answers them. distributed's Client(timeout=5) waited there for ever."""
@@ -350,7 +350,7 @@ def test_scheduler_that_takes_the_connection_and_never_answers_is_given_up_after
     assert not (tmp_path / "sweep").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_dask_address_that_is_not_an_address_is_one_line_naming_the_key(tmp_path: Path) -> None:
     """Refused by `batchlab validate` (the first stage of `dvc repro`), and by `batchlab sweep` before
     it reaches distributed (which raised a ValueError deep in its connect: a 60-line traceback)."""
@@ -365,7 +365,7 @@ def test_dask_address_that_is_not_an_address_is_one_line_naming_the_key(tmp_path
     assert not (tmp_path / "sweep").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_scheduler_killed_mid_sweep_is_one_line_without_tracebacks_and_the_rerun_resumes(
     api: str, tmp_path: Path
 ) -> None:
@@ -427,7 +427,7 @@ def _documented_re_measure() -> str:
     return command.replace(".venv/bin/", "")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_re_measuring_through_dvc_exp_run_reaches_the_cluster(api: str, tmp_path: Path) -> None:
     repo = copy_repo(tmp_path / "repo")
     params = yaml.safe_load((repo / "params.yaml").read_text())
@@ -454,7 +454,7 @@ def test_re_measuring_through_dvc_exp_run_reaches_the_cluster(api: str, tmp_path
     assert len(list((repo / "sweep" / "experiments").glob("*/result.json"))) == 2
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_worker_with_other_batchlab_and_data_is_refused_naming_both(setup: Setup, tmp_path: Path) -> None:
     # another installation of batchlab (a version bump) and a checkout whose data came from other params
     other_src = tmp_path / "other-src"
@@ -481,7 +481,7 @@ def test_worker_with_other_batchlab_and_data_is_refused_naming_both(setup: Setup
     assert not list((folder / "sweep" / "experiments").glob("*/result.json"))
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_sweep_without_a_prefect_server_is_one_line_and_starts_no_server_anywhere(setup: Setup) -> None:
     """Without PREFECT_API_URL the sweep would start Prefect's temporary server, and every worker one
     of its own (it outlived a killed worker, 40 minutes later): refused before anything starts."""

@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 
 from tests.conftest import env_with_venv, free_port, run, set_params, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 DDP = {"strategy": "ddp", "nproc": 2, "threads": 1}
 
 

@@ -20,7 +20,7 @@ from mlflow import MlflowClient
 
 from tests.conftest import BIN, env_with_venv, run, set_params, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 QUEUE_START = 'PATH="$PWD/.venv/bin:$PATH" .venv/bin/dvc queue start -j 2'  # as docs/tracking.md shows it
 

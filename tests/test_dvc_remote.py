@@ -11,7 +11,7 @@ import yaml
 
 from tests.conftest import copy_repo, run
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 
 def _ran(repro: subprocess.CompletedProcess[str]) -> list[str]:

@@ -12,7 +12,7 @@ import yaml
 import batchlab
 from tests.conftest import REPO, TINY, merge, run, write_params
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 SRC = Path(batchlab.__file__).resolve().parent
 

@@ -83,6 +83,7 @@ print(",".join(m for m in ("onnxscript", "torch._dynamo") if m in sys.modules))
 """
 
 
+@pytest.mark.integration
 def test_opsets_up_to_20_export_without_loading_the_dynamo_exporter(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", LOADED, "18", str(tmp_path / "model.onnx")], capture_output=True, text=True, check=True
@@ -90,7 +91,7 @@ def test_opsets_up_to_20_export_without_loading_the_dynamo_exporter(tmp_path: Pa
     assert proc.stdout.strip() == "", proc.stdout  # onnxscript + dynamo: ~1.2 s to import, ~2.7 s to export
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_opsets_above_20_export_through_dynamo_and_pass_the_gate(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = build_model(ModelConfig(hidden_sizes=[16, 8], activation="gelu"), 6, 3).eval()

@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO / "flows"))
 import pipeline as pipeline_flow
 import sweep as sweep_flow
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -21,7 +21,7 @@ from batchlab.training.train import fit
 from tests.conftest import env_with_venv, run, set_params, wait_until
 from tests.test_ddp import DDP, _max_diff, _rank_process, _weights
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 FSDP = {**DDP, "strategy": "fsdp"}
 # long enough that the kills below land mid-run: an epoch (13 steps and a DCP save) takes ~0.3 s
 LONG = {**FSDP, "epochs": 16, "max_restarts": 1}

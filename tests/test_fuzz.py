@@ -501,18 +501,21 @@ def _predicts_or_refuses(model: predict.OnnxClassifier, blob: bytes, suffix: str
 CHUNKS = st.sampled_from([1, 7, predict.CHUNK_ROWS])
 
 
+@pytest.mark.integration  # 300 generated files through the real readers: not a tiny unit
 @FUZZ
 @given(blob=csv_files(FEATURES), chunk_rows=CHUNKS)
 def test_predict_csv(model: predict.OnnxClassifier, blob: bytes, chunk_rows: int) -> None:
     _predicts_or_refuses(model, blob, ".csv", chunk_rows)
 
 
+@pytest.mark.integration  # 300 generated files through the real readers: not a tiny unit
 @FUZZ
 @given(blob=parquet_files(), chunk_rows=CHUNKS)
 def test_predict_parquet(model: predict.OnnxClassifier, blob: bytes, chunk_rows: int) -> None:
     _predicts_or_refuses(model, blob, ".parquet", chunk_rows)
 
 
+@pytest.mark.integration  # 300 generated files through the real readers: not a tiny unit
 @FUZZ
 @given(file=predict_arrays(), chunk_rows=CHUNKS)
 def test_predict_npy_and_npz(model: predict.OnnxClassifier, file: tuple[bytes, str], chunk_rows: int) -> None:
@@ -547,18 +550,21 @@ def _builds_or_refuses(source: str, blob: bytes) -> None:
     nothing_unpickled()
 
 
+@pytest.mark.integration  # 300 generated files through the real readers: not a tiny unit
 @FUZZ
 @given(blob=csv_files(["a", "b", "c"], label="target"))
 def test_generate_csv_source(blob: bytes) -> None:
     _builds_or_refuses("csv", blob)
 
 
+@pytest.mark.integration  # 300 generated files through the real readers: not a tiny unit
 @FUZZ
 @given(blob=source_npz())
 def test_generate_npz_source(blob: bytes) -> None:
     _builds_or_refuses("npz", blob)
 
 
+@pytest.mark.integration  # 300 generated files through the real readers: not a tiny unit
 @FUZZ
 @given(blob=params_files())
 def test_params_yaml(blob: bytes) -> None:
@@ -709,7 +715,7 @@ GOOD_SOURCES = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", sorted(FILES))
 def test_predict_cli(model_root: Path, kind: str) -> None:
     strategy, good = FILES[kind]
@@ -733,7 +739,7 @@ def test_predict_cli(model_root: Path, kind: str) -> None:
     check()
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("source", ["csv", "npz"])
 def test_generate_cli(tmp_path: Path, source: str) -> None:
     strategy = csv_files(["a", "b", "c"], label="target") if source == "csv" else source_npz()
@@ -756,7 +762,7 @@ def test_generate_cli(tmp_path: Path, source: str) -> None:
     check()
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_validate_cli(tmp_path: Path) -> None:
     @CLI
     @given(blob=params_files())
@@ -772,6 +778,7 @@ def test_validate_cli(tmp_path: Path) -> None:
     check()
 
 
+@pytest.mark.integration  # 300 generated files through the real readers: not a tiny unit
 @FUZZ
 @given(blob=source_npz())
 def test_validate_reads_the_npz_sources_rows_or_leaves_it_to_generate(blob: bytes) -> None:

@@ -244,6 +244,7 @@ def test_val_curve_b_simple_is_nan_when_gns_is_off(tiny_dataset: Dataset) -> Non
     assert all(math.isnan(p["gns.b_simple"]) for p in result.val_curve)
 
 
+@pytest.mark.integration
 def test_train_stage_writes_val_curve_csv_and_logs_undefined_noise_scale_to_mlflow(workdir: Path) -> None:
     # 4 epochs of 13 steps, the first shorter than the default period (271): gns.b_simple is NaN there
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
@@ -264,7 +265,7 @@ def test_train_stage_writes_val_curve_csv_and_logs_undefined_noise_scale_to_mlfl
     assert not (workdir / "reports/val_curve.csv").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_ddp_noise_scale_agrees_with_single_process(repo_copy: Path) -> None:
     # the same data and seed: DDP's weights match one process's, so both measure the same training.
     # both take the split's mean gradient at fixed weights (under DDP each rank half of its rows,

@@ -77,6 +77,7 @@ def test_it_leaves_the_weights_the_mode_and_the_global_rng_as_they_were() -> Non
     assert exact_noise_scale(model, F.cross_entropy, x, y, draws=4, seed=7) == first  # reproducible
 
 
+@pytest.mark.integration
 def test_noise_scale_command_reports_the_exact_value_of_the_saved_model(
     workdir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -54,6 +54,7 @@ def _sweep_experiment(name: str, batch: int, epochs: int) -> tuple[Any, Any, dic
     return cfg, (dataset, dict(result.curve_weights)), row
 
 
+@pytest.mark.integration  # a 10-epoch fit and exact values of a CNN and a transformer: no tiny unit
 @pytest.mark.parametrize(("name", "batch", "epochs"), [("cnn", 32, 10), ("transformer", 16, 10)])
 def test_the_reading_the_report_reads_is_the_exact_value_at_its_weights(name: str, batch: int, epochs: int) -> None:
     # At each val point the report could take as the target, the reading it reads there

@@ -169,6 +169,7 @@ def test_processes_that_run_no_model_themselves_leave_threads_alone(monkeypatch:
     assert launch.stage_threads("sweep", tiny_config(train={"threads": 0}, sweep={"parallel": 1}), DATA) == 1
 
 
+@pytest.mark.integration
 def test_busy_cores_sees_a_process_spinning_on_a_core() -> None:
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -188,6 +189,7 @@ for line in sys.stdin:
 """
 
 
+@pytest.mark.integration
 def test_busy_cores_leaves_out_this_processs_own_threads() -> None:
     """A thread of this process spinning on a core is not a competitor: auto would give up a thread
     for it. A sibling process measures over the same window as this one, so both see the same load

@@ -71,7 +71,7 @@ def test_agent_stores_listen_on_loopback_only_inside_the_context() -> None:
     assert c10d_rendezvous_backend.TCPStore is dist.TCPStore  # torch is itself again outside
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_single_node_ddp_listens_on_loopback_only(repo_copy: Path) -> None:
     set_params(repo_copy, "train", **DDP, epochs=500, batch_size=16)  # trains long enough to be looked at
     run(["batchlab", "generate"], repo_copy)

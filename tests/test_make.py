@@ -39,6 +39,7 @@ def _make(venv: Path, *args: str) -> list[str]:
     return ["make", "--no-print-directory", "-f", str(REPO / "Makefile"), f"VENV={venv}", *args]
 
 
+@pytest.mark.integration
 def test_make_help_is_the_default_and_lists_every_target_with_its_comment(venv: Path) -> None:
     shown = run(_make(venv), REPO).stdout
     phony = re.search(r"^\.PHONY:(.*)$", (REPO / "Makefile").read_text(), flags=re.M)
@@ -47,6 +48,7 @@ def test_make_help_is_the_default_and_lists_every_target_with_its_comment(venv: 
         assert re.search(rf"^  make {target} +\S", shown, flags=re.M), f"`make help` misses {target}:\n{shown}"
 
 
+@pytest.mark.integration
 def test_make_compare_fits_a_terminal_and_shows_changed_params_and_headline_metrics(
     repo_copy: Path, venv: Path
 ) -> None:
@@ -107,7 +109,7 @@ def stopped() -> Iterator[list[subprocess.Popen[Any]]]:
                 process.kill()
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_make_ui_is_one_light_server_on_ui_port_opening_the_runs_table_and_stops_with_make(
     repo_copy: Path, venv: Path, tmp_path: Path, stopped: list[subprocess.Popen[Any]]
 ) -> None:
@@ -138,7 +140,7 @@ def test_make_ui_is_one_light_server_on_ui_port_opening_the_runs_table_and_stops
     assert "Warning" not in output, output
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_make_serve_on_another_port_points_its_ui_there_and_serves_the_deployments(
     repo_copy: Path, venv: Path, tmp_path: Path, stopped: list[subprocess.Popen[Any]]
 ) -> None:

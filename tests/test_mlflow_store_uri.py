@@ -10,7 +10,7 @@ from mlflow import MlflowClient
 
 from tests.conftest import mlflow_on_postgres
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.parametrize("driver", ["", "+psycopg2"], ids=["postgresql", "postgresql+psycopg2"])

@@ -60,6 +60,7 @@ def _params(root: Path, model: str, source: str) -> dict[str, Any]:
     return merge(TINY, {"data": data, "model": {"name": model}})
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("model", "source", "gives"), MISFITS)
 def test_validate_names_a_model_that_cannot_take_the_data_and_what_would_fit(
     workdir: Path, model: str, source: str, gives: str
@@ -74,6 +75,7 @@ def test_validate_names_a_model_that_cannot_take_the_data_and_what_would_fit(
     assert not (workdir / ".batchlab/params.ok").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("model", "source"), FITS)
 def test_validate_passes_a_model_that_takes_the_data(workdir: Path, model: str, source: str) -> None:
     write_params(workdir, _params(workdir, model, source))

@@ -169,7 +169,7 @@ def _checkpoints(folder: Path, n: int) -> bool:
     return len(list(folder.glob("sweep/experiments/*/.batchlab/checkpoints/train.pt"))) >= n
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("outcome", OUTCOMES)
 def test_ddp_train_leaves_no_process(outcome: str, tmp_path: Path) -> None:
     train = {**DDP, "epochs": 3 if outcome == "success" else 2000, **(DIVERGES if outcome == "error" else {})}
@@ -184,7 +184,7 @@ def test_ddp_train_leaves_no_process(outcome: str, tmp_path: Path) -> None:
         assert watched.left() == []
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("outcome", OUTCOMES)
 def test_local_sweep_in_two_lanes_leaves_no_process(outcome: str, tmp_path: Path) -> None:
     """Each lane's experiment in a spawned process. The error: one experiment diverges while the
@@ -208,7 +208,7 @@ def test_local_sweep_in_two_lanes_leaves_no_process(outcome: str, tmp_path: Path
         assert not (tmp_path / "sweep" / "experiments" / "bs128-seed0").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("outcome", ["ctrl-c", "sigterm"])
 def test_local_sweep_in_one_lane_stops_when_interrupted(outcome: str, tmp_path: Path) -> None:
     """One lane trains in the sweep's own process: the interruption reaches the training, where a
@@ -236,7 +236,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
             running.stop()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("outcome", OUTCOMES)
 def test_dask_sweep_leaves_no_process(outcome: str, cluster: tuple[Cluster, dict[str, str]], tmp_path: Path) -> None:
     """On its own machine: the sweep starts no Prefect server of its own and no local cluster."""
@@ -264,6 +264,7 @@ def test_dask_sweep_leaves_no_process(outcome: str, cluster: tuple[Cluster, dict
         assert "Interrupted" in dask.log("solo")  # how the worker's task ended
 
 
+@pytest.mark.e2e
 def test_a_stopped_local_sweep_stops_its_lanes_processes_and_no_other_child(monkeypatch: pytest.MonkeyPatch) -> None:
     """The lanes' stop signals the processes the lanes started (threads.in_fresh_process's), not
     every child of the sweep's process: one started before the lanes (a caller's, a library's)

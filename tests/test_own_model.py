@@ -21,6 +21,7 @@ IMAGES = {"data": {"source": "digits_images"}, "model": {"name": "cnn", "dropout
 TOKENS = {"data": {"source": "sequences", "samples": 900, "classes": 3}, "model": {"name": "transformer"}}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", ["images", "tokens"])
 def test_a_builtin_network_trains_exports_and_predicts_raw_examples_as_torch_does(workdir: Path, kind: str) -> None:
     cfg = tiny_config(**(IMAGES if kind == "images" else TOKENS))
@@ -60,6 +61,7 @@ def _npz(path: Path, **arrays: np.ndarray) -> None:
     np.savez(path, **arrays)
 
 
+@pytest.mark.integration
 def test_npz_arrays_train_and_bad_ones_are_one_line(workdir: Path) -> None:
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(300, 2, 6, 6)), rng.integers(0, 2, 300)
@@ -121,8 +123,9 @@ BAD = textwrap.dedent(
 
 @pytest.mark.parametrize(
     "factory",  # the static check needs no torch; the others build the model in a child process (~3 s)
-    [f if f.endswith(":nothing") else pytest.param(f, marks=pytest.mark.slow) for f in sorted(BAD_FACTORIES)],
+    [f if f.endswith(":nothing") else pytest.param(f, marks=pytest.mark.integration) for f in sorted(BAD_FACTORIES)],
 )
+@pytest.mark.integration
 def test_a_factory_that_cannot_give_a_model_stops_validate_in_one_line(workdir: Path, factory: str) -> None:
     (workdir / "usermodels").mkdir()
     (workdir / "usermodels/__init__.py").write_text("")
@@ -146,6 +149,7 @@ BATCHNORM = textwrap.dedent(
 )
 
 
+@pytest.mark.integration
 def test_a_batchnorm_model_trains_and_says_why_it_has_no_noise_scale(workdir: Path) -> None:
     (workdir / "usermodels").mkdir()
     (workdir / "usermodels/__init__.py").write_text("")
@@ -165,7 +169,7 @@ def test_a_batchnorm_model_trains_and_says_why_it_has_no_noise_scale(workdir: Pa
     ]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_users_module_goes_through_dvc_repro_the_sweep_and_predict(repo_copy: Path) -> None:
     """usermodels/residual.py (a custom nn.Module with a residual connection and GroupNorm) on the
     digits as images: the whole pipeline, the study and predict; an edit to it reruns train."""
@@ -189,7 +193,7 @@ def test_a_users_module_goes_through_dvc_repro_the_sweep_and_predict(repo_copy: 
     assert "already finished" not in proc.stdout + proc.stderr and "sweep: 4/4 experiments done" in proc.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_users_module_under_ddp_and_fsdp_units_ends_as_one_process(repo_copy: Path) -> None:
     """usermodels/residual.py (no dropout, GroupNorm): 2 ranks of DDP, and FSDP sharding each residual
     Block (train.fsdp_units), end within 1e-5 of one process; a class the model lacks is one line."""

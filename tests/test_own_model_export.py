@@ -84,7 +84,7 @@ def _proba(session: ort.InferenceSession, x: np.ndarray) -> np.ndarray:
     return e / e.sum(1, keepdims=True)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", KINDS)
 def test_onnxruntime_alone_on_raw_examples_answers_as_predict_and_evaluate_and_int8_passes_the_gate(
     workdir: Path, kind: str
@@ -117,7 +117,7 @@ def test_onnxruntime_alone_on_raw_examples_answers_as_predict_and_evaluate_and_i
     assert agree >= 0.95, agree
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", KINDS)
 def test_verify_and_reproduce_work_unchanged_on_a_cnn_and_a_transformer_run(repo_copy: Path, kind: str) -> None:
     store = f"sqlite:///{repo_copy / 'mlflow.db'}"

@@ -187,7 +187,7 @@ def _geometric_mean(history: list[dict[str, Any]], key: str) -> float:
     return float(np.exp(np.mean([np.log(row[key]) for row in history])))
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_killed_cnn_rank_is_restarted_and_resumes_to_the_same_weights(repo_copy: Path) -> None:
     from tests.test_ddp import DDP, killed_rank_resumes_to_the_same_weights
 
@@ -203,7 +203,7 @@ PIPELINES = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", PIPELINES)
 def test_the_mlflow_predictor_of_images_and_tokens_has_their_shape_registers_and_predicts_as_predict_does(
     workdir: Path, monkeypatch: pytest.MonkeyPatch, kind: str
@@ -262,6 +262,7 @@ NPZ_TOKENS = {"data": {"source": "npz", "npz_path": "data/raw/ids.npz"},
               "model": {"name": "transformer", "d_model": 16, "heads": 2, "layers": 1}}  # fmt: skip
 
 
+@pytest.mark.integration
 def test_npz_token_ids_stay_ids_train_the_transformer_and_predict_refuses_ids_outside_the_vocab(
     workdir: Path,
 ) -> None:
@@ -323,6 +324,7 @@ def test_bad_npz_token_ids_are_one_line_naming_the_file(workdir: Path, case: str
     assert str(err.value) == message
 
 
+@pytest.mark.integration
 def test_generate_refuses_bad_token_ids_in_one_line_and_the_transformer_names_the_missing_vocab(
     workdir: Path,
 ) -> None:

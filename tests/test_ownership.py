@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from batchlab.tracking import ownership
 
 
@@ -12,6 +14,7 @@ def test_owner_is_alive_while_its_process_runs() -> None:
     assert ownership.owner_gone(ownership.owner_tags()) is None
 
 
+@pytest.mark.integration
 def test_owner_is_gone_once_its_process_exited() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     tags = ownership.owner_tags(child.pid)

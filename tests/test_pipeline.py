@@ -14,7 +14,7 @@ from mlflow import MlflowClient
 
 from tests.conftest import default_sigint, env_with_venv, run, set_params, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 
 def _ran(output: str) -> set[str]:

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import run
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
 

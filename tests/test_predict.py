@@ -22,6 +22,8 @@ from batchlab.config import Config, load_config
 from tests.conftest import TINY, env_with_venv, free_port, merge, run, wait_until, write_params
 from tests.test_cli import IMPORTS
 
+pytestmark = pytest.mark.integration  # every test runs the CLI on one built pipeline
+
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -55,7 +57,6 @@ def _predict(root: Path, *args: str, check: bool = True) -> subprocess.Completed
     return run(["batchlab", "predict", *args], root, check=check)
 
 
-@pytest.mark.slow
 def test_predictions_on_the_raw_test_split_equal_evaluates_and_pass_extra_columns_through(pipeline: Path) -> None:
     out = pd.read_csv(pipeline / REFERENCE, dtype={"predicted": str})
     expected = pd.read_csv(pipeline / "reports/predictions.csv", dtype=str)
@@ -88,7 +89,6 @@ def test_predict_imports_no_torch_and_streams_parquet_and_npy_in_chunks_to_the_s
     assert shown.splitlines() == [line.split(",", 1)[1] for line in reference.read_text().splitlines()]
 
 
-@pytest.mark.slow
 def test_mlflow_uris_name_the_same_model(pipeline: Path) -> None:
     run_id = json.loads((pipeline / "reports/train.json").read_text())["run_id"]
     expected = (pipeline / REFERENCE).read_text()
@@ -262,7 +262,6 @@ def test_pyfunc_predictor_returns_class_and_probabilities_and_mlflow_evaluate_sc
     assert result.metrics["f1_score"] == pytest.approx(metrics["f1_1"])
 
 
-@pytest.mark.slow
 def test_mlflow_models_serve_answers_with_class_and_probabilities(pipeline: Path) -> None:
     import requests
 

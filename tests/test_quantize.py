@@ -21,6 +21,7 @@ from batchlab.tracking.base import FAILED_ATTEMPT
 from tests.conftest import TINY, merge, run, set_params, tiny_config, write_params
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("mode", ["dynamic", "static"])
 def test_int8_model_passes_the_gate_is_smaller_and_predicts_like_fp32(workdir: Path, mode: str) -> None:
     cfg = tiny_config(model={"hidden_sizes": [64, 64]}, export={"quantize": mode})
@@ -56,7 +57,7 @@ def _int8_breaking_model(dataset: data.Dataset) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_an_int8_model_beyond_the_f1_drop_fails_export_and_leaves_no_int8_file(tmp_path: Path) -> None:
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     params = merge(TINY, {"export": {"quantize": "dynamic", "atol": 1e-3},
@@ -94,7 +95,7 @@ def test_an_int8_model_beyond_the_f1_drop_fails_export_and_leaves_no_int8_file(t
     assert not int8.exists()
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_the_int8_model_is_versioned_by_dvc_restored_by_checkout_and_verified(repo_copy: Path) -> None:
     set_params(repo_copy, "export", quantize="dynamic")
     run(["dvc", "repro", "export"], repo_copy)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, env_with_venv
+from tests.conftest import REPO, copy_repo, env_with_venv
 
 # prefix of a README command -> why this test does not run it, and what covers it instead
 NOT_RUN = {
@@ -88,18 +89,59 @@ def _plain_shell_env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.slow
-def test_every_readme_command_works_as_written_after_make_run(repo_copy: Path, tmp_path: Path) -> None:
-    (repo_copy / ".venv").symlink_to(sys.prefix)  # what `make run` creates
+def _groups() -> dict[str, list[str]]:
+    """The runnable commands in independent groups, each run in its own copy of the built repo:
+    every `dvc exp run` line alone (each changes params and reruns stages), the Prefect flows
+    together, and the rest (reads of what `make run` built) in the order the pages show them."""
+    groups: dict[str, list[str]] = {"after-make-run": []}
+    for command in _runnable():
+        if command.startswith(".venv/bin/dvc exp run"):
+            settings = [s.split("=")[0].split(".")[-1] for s in command.split(" -S ")[1:]]
+            groups[f"exp-{'-'.join(settings)}"] = [command]
+        elif command.startswith(".venv/bin/python flows/"):
+            groups.setdefault("flows", []).append(command)
+        else:
+            groups["after-make-run"].append(command)
+    return groups
+
+
+def _run_as_a_user(command: str, repo: Path, env: dict[str, str]) -> None:
+    proc = subprocess.run(["bash", "-c", command], cwd=repo, env=env, capture_output=True, text=True)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"`{command}` exited {proc.returncode}:\n{output[-4000:]}"
+    assert "Traceback" not in output, f"`{command}` printed a traceback:\n{output[-4000:]}"
+    if command.startswith((".venv/bin/dvc repro", ".venv/bin/dvc exp run")):  # DVC left nothing to do
+        status = subprocess.run([".venv/bin/dvc", "status"], cwd=repo, env=env, capture_output=True)
+        assert b"Data and pipelines are up to date" in status.stdout, (command, status.stdout)
+
+
+@pytest.fixture(scope="session")
+def after_make_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the repo after `.venv/bin/dvc repro` (what `make run` runs), built once for every
+    test process: the first to need it builds it under a file lock, the others copy it."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent  # one folder for all pytest-xdist workers
+    built = shared / "readme-after-make-run"
+    with FileLock(str(shared / "readme-after-make-run.lock")):
+        if not (built / ".built").exists():
+            shutil.rmtree(built, ignore_errors=True)
+            copy_repo(built)
+            (built / ".venv").symlink_to(sys.prefix)  # what `make run` creates
+            env = {**_plain_shell_env(), "HOME": str(shared / "readme-home")}
+            _run_as_a_user(".venv/bin/dvc repro", built, env)
+            (built / ".built").touch()
+    return built
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("group", list(_groups()))
+def test_every_readme_command_works_as_written_after_make_run(group: str, after_make_run: Path, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(after_make_run, repo, symlinks=True, ignore=shutil.ignore_patterns(".built"))
     env = {**_plain_shell_env(), "HOME": str(tmp_path / "home")}  # a fresh ~/.prefect
-    for command in [".venv/bin/dvc repro", *_runnable()]:
-        proc = subprocess.run(["bash", "-c", command], cwd=repo_copy, env=env, capture_output=True, text=True)
-        output = proc.stdout + proc.stderr
-        assert proc.returncode == 0, f"`{command}` exited {proc.returncode}:\n{output[-4000:]}"
-        assert "Traceback" not in output, f"`{command}` printed a traceback:\n{output[-4000:]}"
-        if command.startswith((".venv/bin/dvc repro", ".venv/bin/dvc exp run")):  # DVC left nothing to do
-            status = subprocess.run([".venv/bin/dvc", "status"], cwd=repo_copy, env=env, capture_output=True)
-            assert b"Data and pipelines are up to date" in status.stdout, (command, status.stdout)
+    for command in _groups()[group]:
+        _run_as_a_user(command, repo, env)
 
 
 def test_every_test_the_readme_names_exists() -> None:

@@ -10,10 +10,13 @@ from typing import Any
 
 import mlflow
 import mlflow.pyfunc
+import pytest
 from mlflow import MlflowClient
 
 from batchlab import tracking
 from batchlab.tracking import registry
+
+pytestmark = pytest.mark.integration  # MLflow stores written in this process (SQLite), or servers: e2e
 
 NAME = "racers"
 

@@ -16,6 +16,7 @@ from batchlab.tracking.provenance import git_tags
 from tests.conftest import env_with_venv, run, set_params, wait_until
 
 
+@pytest.mark.integration
 def test_only_code_changes_make_a_tree_dirty_not_what_dvc_repro_rewrites(
     repo_copy: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -36,7 +37,7 @@ def _store(repo: Path) -> str:
     return f"sqlite:///{repo / 'mlflow.db'}"
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_run_from_a_dirty_tree_or_without_a_commit_is_refused_in_one_line(repo_copy: Path) -> None:
     set_params(repo_copy, "tracking", enabled=True, tracking_uri=_store(repo_copy))
     client = MlflowClient(_store(repo_copy))
@@ -55,7 +56,7 @@ def test_a_run_from_a_dirty_tree_or_without_a_commit_is_refused_in_one_line(repo
         assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"batchlab: error: {message}"]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_run_made_here_reproduces_identically_and_a_differing_record_gets_a_table(repo_copy: Path) -> None:
     set_params(repo_copy, "tracking", enabled=True, tracking_uri=_store(repo_copy))
     run(["git", "commit", "-qam", "track runs"], repo_copy)
@@ -90,7 +91,7 @@ def test_a_run_made_here_reproduces_identically_and_a_differing_record_gets_a_ta
     )
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_dvc_exp_run_with_a_set_param_is_clean_and_reproduces(repo_copy: Path) -> None:
     """`dvc exp run -S` edits params.yaml in the workspace; the run records every param, so it is no
     reason to refuse: the rebuild at the commit, with the recorded params, gives the same weights."""
@@ -116,7 +117,7 @@ def _running_in(tree: Path) -> list[psutil.Process]:
     return found
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_sigkilled_reproduce_leaves_a_worktree_and_processes_that_the_next_one_removes(repo_copy: Path) -> None:
     set_params(repo_copy, "tracking", enabled=True, tracking_uri=_store(repo_copy))
     run(["git", "commit", "-qam", "track runs"], repo_copy)

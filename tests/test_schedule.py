@@ -16,7 +16,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from tests.conftest import env_with_venv, free_port, prefect_call, set_params, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture

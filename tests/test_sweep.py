@@ -6,7 +6,9 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -47,7 +49,7 @@ def test_where_a_sweep_runs_is_not_what_it_is() -> None:
     assert sweep_key(tiny_config(sweep={"batch_sizes": [16, 32]}), "data") != base
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_sweep_records_parent_children_and_report(workdir: Path) -> None:
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri}, sweep={"lr_scaling": "sqrt", "seeds": [0, 1]})
@@ -116,6 +118,7 @@ def test_sweep_records_parent_children_and_report(workdir: Path) -> None:
     assert sorted(logged["batch_size"]) == [16, 32, 64] and "steps_to_target_mean" in logged.columns
 
 
+@pytest.mark.integration
 def test_lr_multipliers_run_each_batch_size_at_each_lr_and_keep_the_best(workdir: Path) -> None:
     cfg = tiny_config(sweep={"batch_sizes": [16, 64], "lr_multipliers": [0.25, 1, 4]})
     stages.generate(cfg, stages.Paths(workdir))
@@ -131,6 +134,7 @@ def test_lr_multipliers_run_each_batch_size_at_each_lr_and_keep_the_best(workdir
     assert "Learning rate kept per batch size" in summary["markdown"]
 
 
+@pytest.mark.integration
 def test_results_of_other_code_are_measured_again(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tiny_config(sweep={"batch_sizes": [16, 64]})
     stages.generate(cfg, stages.Paths(workdir))
@@ -169,7 +173,7 @@ def test_batch_not_dividing_across_ddp_ranks_is_rejected() -> None:
         tiny_config(train={"strategy": "ddp", "nproc": 2}, sweep={"batch_sizes": [16, 15]})
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_killed_sweep_resumes_without_redoing_finished_experiments_and_counts_both_attempts(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     params = tiny_config(tracking={**TRACK, "tracking_uri": uri}, sweep={"epochs": 20}).model_dump()
@@ -203,7 +207,7 @@ def test_killed_sweep_resumes_without_redoing_finished_experiments_and_counts_bo
     assert written["sweep_wall_seconds"] >= sum(r["train_seconds"] + r["overhead_seconds"] for r in results)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_parallel_sweep_runs_experiments_in_processes_without_tracking_collisions(workdir: Path) -> None:
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri}, sweep={"parallel": 2, "seeds": [0, 1]})
@@ -227,6 +231,7 @@ def _runs(uri: str) -> list[Any]:
     return client.search_runs([client.get_experiment_by_name("sweep-test").experiment_id])
 
 
+@pytest.mark.integration
 def test_rerun_of_a_finished_sweep_changes_nothing(workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri})
@@ -250,6 +255,7 @@ def test_rerun_of_a_finished_sweep_changes_nothing(workdir: Path, caplog: pytest
     assert _md5s(reports) == before and len(_runs(uri)) == n_runs
 
 
+@pytest.mark.integration
 def test_resumed_sweep_reports_totals_over_every_experiment(workdir: Path) -> None:
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri})
@@ -281,8 +287,9 @@ def test_resumed_sweep_reports_totals_over_every_experiment(workdir: Path) -> No
 
 @pytest.mark.parametrize(
     ("parallel", "seeds"),
-    [(1, [0, 1]), pytest.param(2, [0], marks=pytest.mark.slow)],  # seeds together; each in its own process
+    [(1, [0, 1]), pytest.param(2, [0], marks=pytest.mark.integration)],  # seeds together; each in its own process
 )
+@pytest.mark.integration
 def test_experiment_whose_run_finished_is_not_trained_again_without_its_result_json(
     workdir: Path, parallel: int, seeds: list[int]
 ) -> None:
@@ -311,22 +318,31 @@ def test_experiment_whose_run_finished_is_not_trained_again_without_its_result_j
     assert second["sum_train_seconds"] == first["sum_train_seconds"]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_second_sweep_in_the_same_folder_refuses_at_once(repo_copy: Path, tmp_path: Path) -> None:
+    """The first sweep is frozen (SIGSTOP) once it has planned, so it certainly still holds the lock
+    when the second starts, whatever the load; then it goes on (SIGCONT) and finishes its 3 epochs."""
     uri = f"sqlite:///{repo_copy / 'mlflow.db'}"
     params = yaml.safe_load((repo_copy / "params.yaml").read_text())
-    write_params(repo_copy, merge(params, {"tracking": {**TRACK, "tracking_uri": uri}, "sweep": {"epochs": 300}}))
+    write_params(repo_copy, merge(params, {"tracking": {**TRACK, "tracking_uri": uri}}))
     run(["batchlab", "generate"], repo_copy)
     with (tmp_path / "first.err").open("w") as err:
-        first = subprocess.Popen(["batchlab", "sweep"], cwd=repo_copy, env=env_with_venv(), stderr=err)
-    wait_until(  # the first sweep has planned and opened its parent run
-        (repo_copy / "sweep/state.json").exists, "the first sweep's state", process=first, log=tmp_path / "first.err"
-    )
-    second = run(["batchlab", "sweep"], repo_copy, check=False)
-    still_running = first.poll() is None  # "at once": refused while the first is still training
+        first = subprocess.Popen(
+            ["batchlab", "sweep"], cwd=repo_copy, env=env_with_venv(), stderr=err, start_new_session=True
+        )
+    try:
+        wait_until(  # the first sweep has planned and opened its parent run
+            (repo_copy / "sweep/state.json").exists,
+            "the first sweep's state",
+            process=first,
+            log=tmp_path / "first.err",
+        )
+        os.killpg(first.pid, signal.SIGSTOP)
+        second = run(["batchlab", "sweep"], repo_copy, check=False)
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
     assert first.wait(timeout=600) == 0, (tmp_path / "first.err").read_text()[-3000:]
-    assert second.returncode == 1, (second.returncode, still_running, second.stderr[-3000:])
-    assert still_running, "the first sweep ended before the second one started: give it more epochs"
+    assert second.returncode == 1, (second.returncode, second.stderr[-3000:])
     assert second.stderr.splitlines() == [
         f"batchlab: error: another sweep is running in this folder (pid {first.pid}, lock .batchlab/sweep.lock); "
         "wait for it or stop it"
@@ -342,7 +358,7 @@ def test_second_sweep_in_the_same_folder_refuses_at_once(repo_copy: Path, tmp_pa
     assert [int(r["batch_size"]) for r in atomic.read_csv(repo_copy / "reports/sweep/summary.csv")] == [16, 32, 64]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_dvc_rerun_of_a_finished_sweep_leaves_dvc_clean(repo_copy: Path) -> None:
     run(["dvc", "repro", "sweep"], repo_copy)
     lock, reports = (repo_copy / "dvc.lock").read_text(), _md5s(repo_copy / "reports/sweep")
@@ -378,6 +394,7 @@ def test_progress_counts_experiments_and_the_time_left_at_the_pace_so_far(
     ]
 
 
+@pytest.mark.integration
 def test_on_a_terminal_the_sweep_draws_a_bar_of_experiments(workdir: Path) -> None:
     import fcntl
     import os
@@ -407,7 +424,7 @@ def test_on_a_terminal_the_sweep_draws_a_bar_of_experiments(workdir: Path) -> No
     assert "sweep: 100%" in text and "2/2" in text and "experiment" in text, text
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_an_experiment_whose_end_the_server_missed_keeps_no_result_and_its_next_try_is_one_finished_run(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 
 from tests.conftest import env_with_venv, mlflow_on_postgres, run, set_params, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 RUNS, EPOCHS = 6, 12
 
 

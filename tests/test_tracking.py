@@ -31,6 +31,8 @@ from tests.conftest import (
     wait_until,
 )
 
+pytestmark = pytest.mark.integration  # MLflow stores written in this process (SQLite), or servers: e2e
+
 ON = {"enabled": True, "experiment": "test", "registered_model": "tiny-mlp"}
 
 
@@ -123,7 +125,6 @@ def test_system_metrics_are_sampled_when_enabled(workdir: Path) -> None:
     assert any(k.startswith("system/system_memory_usage") for k in keys), sorted(keys)
 
 
-@pytest.mark.slow
 def test_sigterm_ends_the_run_killed(repo_copy: Path) -> None:
     set_params(repo_copy, "tracking", enabled=True)
     set_params(repo_copy, "train", epochs=500, batch_size=16)
@@ -191,7 +192,6 @@ WRITER = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
 def test_four_concurrent_writers_share_one_sqlite_file(tmp_path: Path) -> None:
     uri = _uri(tmp_path)
     procs = [
@@ -220,7 +220,7 @@ def mlflow_server(server: MlflowServer) -> str:
     return server.uri
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_pipeline_logs_to_an_mlflow_server_on_postgresql(repo_copy: Path, mlflow_server: str) -> None:
     set_params(repo_copy, "tracking", enabled=True)
     for stage in ("generate", "train", "evaluate", "export"):
@@ -295,7 +295,6 @@ def _steps(client: MlflowClient, run_id: str, key: str = "val_loss") -> list[int
     return sorted(m.step for m in client.get_metric_history(run_id, key))
 
 
-@pytest.mark.slow
 def test_sigkilled_train_is_reaped_and_its_resumed_training_continues_the_same_run(repo_copy: Path) -> None:
     set_params(repo_copy, "tracking", enabled=True)
     set_params(repo_copy, "train", epochs=40, batch_size=16)
@@ -351,7 +350,7 @@ def _train_then_kill_the_server(
     return proc, checkpoint
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_training_outlives_a_tracking_server_restart_and_records_every_epoch(
     repo_copy: Path, server: MlflowServer
 ) -> None:
@@ -374,7 +373,7 @@ def test_training_outlives_a_tracking_server_restart_and_records_every_epoch(
     assert {a.path for a in client.list_artifacts(run_id)} >= {"history.csv"}
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_tracking_server_that_stays_down_costs_no_model_and_its_metrics_are_sent_later(
     repo_copy: Path, server: MlflowServer
 ) -> None:
@@ -475,7 +474,6 @@ def _log_the_dataset_at_once(uri: str, barrier: Any, answers: Any) -> None:
         answers.put(f"{type(err).__name__}: {str(err)[:120]}")
 
 
-@pytest.mark.slow
 def test_runs_logging_the_same_dataset_at_once_all_log_it(tmp_path: Path) -> None:
     # MLflow adds a dataset as "look it up, insert it if absent": 4 processes at a barrier all
     # insert, and without a retry 3 of them failed on the unique key (UNIQUE constraint failed:

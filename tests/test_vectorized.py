@@ -130,7 +130,7 @@ def _sweep(folder: Path, vectorize: bool) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted((folder / "sweep/experiments").glob("*/result.json"))]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_sweep_with_seeds_together_gives_the_sequential_result_rows(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

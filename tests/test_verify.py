@@ -33,6 +33,7 @@ def _cache_file(repo: Path, md5: str) -> Path:
     return repo / ".dvc/cache/files/md5" / md5[:2] / md5[2:]
 
 
+@pytest.mark.integration
 def test_dvc_add_then_a_flipped_cache_byte_is_named_and_intact_passes(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     (repo / "data").mkdir(parents=True)
@@ -80,7 +81,7 @@ def test_dvc_add_then_a_flipped_cache_byte_is_named_and_intact_passes(tmp_path: 
     assert status == 1 and mismatches == ["data/set/part1.bin", "data/set/part2.bin"], lines
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_pipeline_outputs_cache_and_mlflow_models_are_checked(repo_copy: Path) -> None:
     set_params(repo_copy, "tracking", enabled=True)
     (repo_copy / "dvc.lock").unlink()  # this run's stages only (the committed lock also records a sweep)

@@ -15,7 +15,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from tests.conftest import env_with_venv, prefect_call, prefect_server, run, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def test_deploying_to_an_api_that_does_not_answer_is_one_line_and_exit_1(repo_copy: Path, tmp_path: Path) -> None:

@@ -1,0 +1,216 @@
+"""The suite's tiers, their guard, the order tests are handed out in, and what CI is told.
+
+- `unit`: every test with no tier marker. In-process only: no subprocess, no repo copy, no server.
+- `integration`: CLI and dvc/git processes, repo copies, SQLite MLflow, in-process tracked pipelines.
+- `e2e`: real servers, DDP/FSDP ranks, the browser, the README's examples, load and fault tests.
+
+Both marked tiers also count as `slow`, so `make test-fast` (`-m "not slow"`) is the unit tier. The
+guard fails a unit test that takes a fixture of the marked tiers (at collection) or starts a
+process (at its end, naming the command), so the fast lane stays free of process starts.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import multiprocessing.util
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TIERS = ("unit", "integration", "e2e")
+DURATIONS = Path(__file__).resolve().parents[1] / "durations.json"
+UNKNOWN_S = 1.0  # a test with no recorded duration is handed out as a 1 s one
+
+# fixtures that copy the repo, start a process or a server: a test that takes one is not a unit test
+PROCESS_FIXTURES = frozenset(
+    {"repo_copy", "built_repo", "pipeline", "server", "setup", "cluster", "repo", "mlflow_server"}
+)
+
+
+def tier_of(item: pytest.Item) -> str:
+    marked = [tier for tier in ("e2e", "integration") if item.get_closest_marker(tier)]
+    return marked[0] if marked else "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects: the tiers add `slow` here
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    problems = []
+    for item in items:
+        tier = tier_of(item)
+        if tier != "unit":
+            item.add_marker(pytest.mark.slow)
+            continue
+        if item.get_closest_marker("slow"):
+            problems.append(f"{item.nodeid}: marked slow without a tier: mark it integration or e2e")
+        taken = sorted(PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())))
+        if taken:
+            problems.append(f"{item.nodeid}: a unit test takes {', '.join(taken)}: mark it integration or e2e")
+    if problems:
+        raise pytest.UsageError("tier guard:\n  " + "\n  ".join(problems))
+    items[:] = longest_first(items, _recorded())
+
+
+def _recorded() -> dict[str, float]:
+    try:
+        return {k: float(v) for k, v in json.loads(DURATIONS.read_text()).items()}
+    except (OSError, ValueError):
+        return {}
+
+
+def longest_first(items: list[pytest.Item], durations: dict[str, float]) -> list[pytest.Item]:
+    """Whole work units (a test, or the tests sharing a module-scoped fixture) by their recorded
+    seconds, longest first: the last test handed out is short, so no worker idles while the other
+    finishes a 5-minute one."""
+    unit_s: dict[str, float] = {}
+    for item in items:
+        unit = work_unit(item.nodeid, item.config.rootpath)
+        unit_s[unit] = unit_s.get(unit, 0.0) + durations.get(item.nodeid, UNKNOWN_S)
+    order = {item.nodeid: i for i, item in enumerate(items)}
+    return sorted(items, key=lambda it: (-unit_s[work_unit(it.nodeid, it.config.rootpath)], order[it.nodeid]))
+
+
+@functools.cache
+def _shared_fixture_users(module: Path) -> frozenset[str]:
+    """The test functions of `module` that take a module- or class-scoped fixture it defines (its
+    source read, not imported)."""
+    try:
+        tree = ast.parse(module.read_text())
+    except (OSError, SyntaxError):
+        return frozenset()
+    shared: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for deco in node.decorator_list:
+                call = deco if isinstance(deco, ast.Call) else None
+                scopes = [kw.value for kw in call.keywords if kw.arg == "scope"] if call else []
+                if any(isinstance(s, ast.Constant) and s.value in ("module", "class") for s in scopes):
+                    shared.add(node.name)
+    tests = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test")]
+    return frozenset(n.name for n in tests if shared & {a.arg for a in n.args.args})
+
+
+def work_unit(nodeid: str, root: Path) -> str:
+    """The tests that must run on one worker: those taking one module's shared fixtures, so the
+    fixture is built once; any other test is its own unit."""
+    module, _, rest = nodeid.partition("::")
+    function = rest.split("::")[-1].split("[")[0]
+    return module if function in _shared_fixture_users(root / module) else nodeid
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin nothing calls it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`-n N` hands out work units (`work_unit`) in collection order, which is longest first."""
+    if config.getvalue("dist") != "load":
+        return None  # another --dist asked for by name
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid, config.rootpath)
+
+    return SharedFixtureScheduling(config, log)
+
+
+# ---- the runtime half of the guard: a unit test that starts a process fails, naming it
+
+
+@contextmanager
+def processes_started() -> Iterator[list[str]]:
+    """The processes started in the block, as command lines: every way this process starts
+    another (subprocess, fork, posix_spawn, os.system, multiprocessing's spawn and forkserver)
+    is wrapped to note it first. They still start."""
+    started: list[str] = []
+    popen_execute = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+
+    def execute_child(self: subprocess.Popen[Any], args: Any, *rest: Any, **kw: Any) -> Any:
+        started.append(" ".join(map(str, args)) if isinstance(args, list | tuple) else str(args))
+        return popen_execute(self, args, *rest, **kw)
+
+    def wrap(owner: Any, name: str) -> Callable[[], None]:
+        original = getattr(owner, name)
+
+        def noted(*args: Any, **kw: Any) -> Any:
+            started.append(f"{owner.__name__}.{name}{tuple(map(str, args))[:2]}")
+            return original(*args, **kw)
+
+        setattr(owner, name, noted)
+        return lambda: setattr(owner, name, original)
+
+    subprocess.Popen._execute_child = execute_child  # type: ignore[attr-defined]
+    undo = [wrap(os, name) for name in ("fork", "posix_spawn", "posix_spawnp", "system")]
+    undo.append(wrap(multiprocessing.util, "spawnv_passfds"))
+    try:
+        yield started
+    finally:
+        for restore in reversed(undo):
+            restore()
+        subprocess.Popen._execute_child = popen_execute  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    if tier_of(item) != "unit":
+        return (yield)
+    with processes_started() as started:
+        result = yield
+    if started:
+        shown = "; ".join(c[:160] for c in started[:3])
+        pytest.fail(f"tier guard: a unit test started {len(started)} process(es) ({shown}): mark it integration or e2e")
+    return result
+
+
+# ---- what CI is told: load and cores at start and end, seconds per tier, the recorded durations
+
+_START: dict[str, Any] = {}
+
+
+def _load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} cores"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _START.update(time=time.monotonic(), load=_load(), seconds={t: 0.0 for t in TIERS}, counts={t: 0 for t in TIERS})
+    _START["durations"] = {}
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"batchlab tiers: {', '.join(TIERS)}; at start: {_load()}"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """On the controller too: pytest-xdist replays each worker's reports there."""
+    if "seconds" not in _START:
+        return
+    keywords = getattr(report, "keywords", {})
+    tier = "e2e" if "e2e" in keywords else "integration" if "integration" in keywords else "unit"
+    _START["seconds"][tier] += report.duration
+    if report.when == "call":
+        _START["counts"][tier] += 1
+    durations = _START["durations"]
+    durations[report.nodeid] = durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or "time" not in _START:
+        return
+    wall = time.monotonic() - _START["time"]
+    write = terminalreporter.write_line
+    write(f"batchlab tiers: {wall:.0f} s wall; at start {_START['load']}; at end {_load()}")
+    for tier in TIERS:
+        count, seconds = _START["counts"][tier], _START["seconds"][tier]
+        if count:
+            write(f"  {tier:<12} {count:4d} tests  {seconds:7.0f} s of test time")
+    out = os.environ.get("BATCHLAB_DURATIONS_OUT")
+    if out:  # `make test-durations`: merge this run's figures into the recorded ones
+        merged = {**_recorded(), **{k: round(v, 2) for k, v in _START["durations"].items()}}
+        Path(out).write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
+        write(f"  durations of {len(_START['durations'])} tests merged into {out}")

@@ -1,0 +1,62 @@
+"""The tiers hold: an unmarked (unit) test that starts a process or takes a repo or server fixture
+fails, naming what it did; the marked tiers are `slow`, so the fast lane leaves them out; tests that
+share a module-scoped fixture are handed out together, longest first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.tiers import work_unit
+
+INI = """
+[pytest]
+markers =
+    integration: x
+    e2e: x
+    slow: x
+"""
+
+
+def _inner(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
+    pytester.makeini(INI)
+    pytester.makepyfile(test_inner=source)
+    return pytester.runpytest_inprocess("-p", "tests.support.tiers", "-p", "no:cacheprovider", *args)
+
+
+@pytest.mark.integration  # the inner test starts `true`
+def test_an_unmarked_test_that_starts_a_process_fails_naming_it(pytester: pytest.Pytester) -> None:
+    source = "import subprocess\n\ndef test_runs_a_command():\n    subprocess.run(['true'], check=True)\n"
+    result = _inner(pytester, source)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*tier guard: a unit test started 1 process(es) (true): mark it integration or e2e*"])
+
+
+@pytest.mark.integration
+def test_a_marked_test_may_start_processes(pytester: pytest.Pytester) -> None:
+    source = "import subprocess, pytest\n\n@pytest.mark.e2e\ndef test_runs():\n    subprocess.run(['true'])\n"
+    _inner(pytester, source).assert_outcomes(passed=1)
+
+
+def test_an_unmarked_test_taking_a_repo_copy_is_refused_at_collection(pytester: pytest.Pytester) -> None:
+    source = "import pytest\n\n@pytest.fixture\ndef repo_copy():\n    return 1\n\ndef test_x(repo_copy):\n    pass\n"
+    result = _inner(pytester, source)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*test_x: a unit test takes repo_copy: mark it integration or e2e*"])
+
+
+def test_slow_without_a_tier_is_refused_and_the_tiers_are_slow(pytester: pytest.Pytester) -> None:
+    result = _inner(pytester, "import pytest\n\n@pytest.mark.slow\ndef test_x():\n    pass\n")
+    result.stderr.fnmatch_lines(["*test_x: marked slow without a tier: mark it integration or e2e*"])
+    tiers = "import pytest\n\n@pytest.mark.integration\ndef test_i():\n    pass\n\ndef test_unit():\n    pass\n"
+    _inner(pytester, tiers, "-m", "not slow").assert_outcomes(passed=1, deselected=1)
+
+
+def test_tests_taking_a_module_scoped_fixture_are_one_work_unit(tmp_path: Path) -> None:
+    (tmp_path / "test_m.py").write_text(
+        "import pytest\n\n@pytest.fixture(scope='module')\ndef built():\n    return 1\n\n"
+        "def test_a(built):\n    pass\n\ndef test_b(built, tmp_path):\n    pass\n\ndef test_c():\n    pass\n"
+    )
+    assert work_unit("test_m.py::test_a", tmp_path) == work_unit("test_m.py::test_b[x]", tmp_path) == "test_m.py"
+    assert work_unit("test_m.py::test_c", tmp_path) == "test_m.py::test_c"
