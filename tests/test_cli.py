@@ -14,7 +14,8 @@ import yaml
 
 from batchlab import collector
 from batchlab.cli import _parser, main
-from tests.conftest import REPO, TINY, env_with_venv, merge, run, write_params
+from tests.support import REPO, TINY, env_with_venv, merge, run, write_params
+from tests.support.imports import IMPORTS
 
 
 def _stages() -> dict[str, dict[str, list[object]]]:
@@ -58,19 +59,6 @@ def test_each_stage_help_lists_the_options_and_what_dvc_yaml_says_it_reads_and_w
     files += [d for d in map(_path, spec["deps"]) if not d.startswith(("src/", ".batchlab/params.ok"))]
     missing = [f for f in files if f not in shown]
     assert not missing, f"`batchlab {stage} --help` does not mention {missing}:\n{shown}"
-
-
-# a fresh interpreter, so that sys.modules shows what the CLI itself imported
-IMPORTS = """
-import sys
-from batchlab.cli import main
-try:
-    status = main(sys.argv[2:])
-except SystemExit as exit_:
-    status = exit_.code
-print("imported:", ",".join(m for m in sys.argv[1].split(",") if m in sys.modules))
-sys.exit(status)
-"""
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,153 @@
+"""The README's promise: every command it and the docs show works exactly as written after `make run`.
+
+The commands are parsed from README.md and docs/*.md, so the test and the docs cannot drift apart:
+a new command is run here, or listed in NOT_RUN with the test that covers it instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO, copy_repo, env_with_venv
+
+# prefix of a README command -> why this test does not run it, and what covers it instead
+NOT_RUN = {
+    "make run": "this test's first step runs what it runs (`.venv/bin/dvc repro`) in a copy of the repo",
+    "make test": "CI runs it",
+    "make ui": "serves until stopped",
+    "make serve": "serves until stopped; tests/orchestration/test_schedule.py serves the deployments",
+    "createdb": "needs PostgreSQL: test_tracking.py::test_pipeline_logs_to_an_mlflow_server_on_postgresql",
+    ".venv/bin/mlflow server": "serves until stopped: tests/tracking/test_tracking.py starts one on PostgreSQL",
+    "export MLFLOW_TRACKING_URI": "test_tracking.py::test_pipeline_logs_to_an_mlflow_server_on_postgresql",
+    "PREFECT_SERVER_ANALYTICS_ENABLED=false .venv/bin/prefect server start": "serves until stopped",
+    "PREFECT_API_DATABASE_CONNECTION_URL=": "serves until stopped",
+    "PREFECT_API_URL=": "serves until stopped; tests/orchestration/test_schedule.py",
+    ".venv/bin/dvc exp run -S train.strategy=ddp -S train.nnodes=2": "two machines: test_ddp.py two launchers",
+    ".venv/bin/dvc exp run --queue": "runs in the background: tests/pipeline/test_dvc_queue.py runs a queued grid",
+    'PATH="$PWD/.venv/bin:$PATH" .venv/bin/dvc queue start': "runs in the background: tests/pipeline/test_dvc_queue.py",
+    ".venv/bin/batchlab --params params-node1.yaml": "two machines: tests/training/test_ddp.py two launchers",
+    "python3 -m venv": "GPU set-up (CUDA wheels come from the network)",
+    ".venv/bin/pip install --index-url": "GPU set-up (CUDA wheels come from the network)",
+    "docker": "no Docker engine on this machine",
+    ".venv/bin/batchlab reproduce": "needs a run id from a clean commit: tests/audit/test_reproduce.py",
+    ".venv/bin/batchlab predict --model models:/": "a registry `make run` may restore from DVC's cache without "
+    "registering: tests/inference/test_predict.py::test_mlflow_uris_name_the_same_model",
+    'PATH="$PWD/.venv/bin:$PATH" .venv/bin/mlflow models serve': "serves until stopped: test_predict.py",
+    ".venv/bin/dask scheduler": "serves until stopped: tests/sweep/test_dask_sweep.py starts one",
+    "DASK_DISTRIBUTED__WORKER__DAEMON=False": "serves until stopped: tests/sweep/test_dask_sweep.py starts two workers",
+    ".venv/bin/dvc remote add": "S3/SSH need accounts; a directory remote: tests/pipeline/test_dvc_remote.py",
+    ".venv/bin/dvc push --run-cache": "tests/pipeline/test_dvc_remote.py",
+    ".venv/bin/dvc pull --run-cache": "another clone: tests/pipeline/test_dvc_remote.py",
+    ".venv/bin/dvc exp push": "needs a Git remote: tests/pipeline/test_dvc_remote.py",
+    ".venv/bin/dvc exp pull": "needs a Git remote: tests/pipeline/test_dvc_remote.py",
+}
+
+
+def readme_commands(text: str) -> list[str]:
+    """Every command line of the README's ```bash blocks, comments dropped, `\\` lines joined."""
+    commands: list[str] = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = re.sub(r"\s+#.*$", "", line).strip()
+            if command and not command.startswith("#"):
+                commands.append(" ".join(command.split()))
+    return commands
+
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def _pages_text() -> str:
+    return "\n".join(page.read_text() for page in PAGES)
+
+
+def _runnable() -> list[str]:
+    """Each command once, in the order the README and then the docs show them."""
+    commands = readme_commands(_pages_text())
+    return [c for c in dict.fromkeys(commands) if not c.startswith(tuple(NOT_RUN))]
+
+
+def test_readme_commands_are_parsed_and_each_one_is_run_or_accounted_for() -> None:
+    runnable = _runnable()
+    assert ".venv/bin/dvc metrics show" in runnable and len(runnable) >= 6, runnable
+
+
+def _plain_shell_env() -> dict[str, str]:
+    """A user's shell: the venv is NOT on PATH and Prefect's analytics are at their default."""
+    env = env_with_venv()
+    venv_bin = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != venv_bin)
+    for key in ("PREFECT_SERVER_ANALYTICS_ENABLED", "VIRTUAL_ENV", "PREFECT_API_URL", "PREFECT_HOME"):
+        env.pop(key, None)
+    return env
+
+
+def _groups() -> dict[str, list[str]]:
+    """The runnable commands in independent groups, each run in its own copy of the built repo:
+    every `dvc exp run` line alone (each changes params and reruns stages), the Prefect flows
+    together, and the rest (reads of what `make run` built) in the order the pages show them."""
+    groups: dict[str, list[str]] = {"after-make-run": []}
+    for command in _runnable():
+        if command.startswith(".venv/bin/dvc exp run"):
+            settings = [s.split("=")[0].split(".")[-1] for s in command.split(" -S ")[1:]]
+            groups[f"exp-{'-'.join(settings)}"] = [command]
+        elif command.startswith(".venv/bin/python flows/"):
+            groups.setdefault("flows", []).append(command)
+        else:
+            groups["after-make-run"].append(command)
+    return groups
+
+
+def _run_as_a_user(command: str, repo: Path, env: dict[str, str]) -> None:
+    proc = subprocess.run(["bash", "-c", command], cwd=repo, env=env, capture_output=True, text=True)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"`{command}` exited {proc.returncode}:\n{output[-4000:]}"
+    assert "Traceback" not in output, f"`{command}` printed a traceback:\n{output[-4000:]}"
+    if command.startswith((".venv/bin/dvc repro", ".venv/bin/dvc exp run")):  # DVC left nothing to do
+        status = subprocess.run([".venv/bin/dvc", "status"], cwd=repo, env=env, capture_output=True)
+        assert b"Data and pipelines are up to date" in status.stdout, (command, status.stdout)
+
+
+@pytest.fixture(scope="session")
+def after_make_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the repo after `.venv/bin/dvc repro` (what `make run` runs), built once for every
+    test process: the first to need it builds it under a file lock, the others copy it."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent  # one folder for all pytest-xdist workers
+    built = shared / "readme-after-make-run"
+    with FileLock(str(shared / "readme-after-make-run.lock")):
+        if not (built / ".built").exists():
+            shutil.rmtree(built, ignore_errors=True)
+            copy_repo(built)
+            (built / ".venv").symlink_to(sys.prefix)  # what `make run` creates
+            env = {**_plain_shell_env(), "HOME": str(shared / "readme-home")}
+            _run_as_a_user(".venv/bin/dvc repro", built, env)
+            (built / ".built").touch()
+    return built
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("group", list(_groups()))
+def test_every_readme_command_works_as_written_after_make_run(group: str, after_make_run: Path, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(after_make_run, repo, symlinks=True, ignore=shutil.ignore_patterns(".built"))
+    env = {**_plain_shell_env(), "HOME": str(tmp_path / "home")}  # a fresh ~/.prefect
+    for command in _groups()[group]:
+        _run_as_a_user(command, repo, env)
+
+
+def test_every_test_the_readme_names_exists() -> None:
+    """The fault table names the test that proves each row: a renamed test must not leave it stale."""
+    named = set(re.findall(r"(test_\w+\.py)::(test_\w+)", _pages_text()))
+    assert len(named) >= 20, named
+    files = {path.name: path for path in (REPO / "tests").rglob("test_*.py")}  # tests/<concern>/test_x.py
+    missing = [f"{f}::{t}" for f, t in sorted(named) if f not in files or f"def {t}(" not in files[f].read_text()]
+    assert not missing, f"README names tests that do not exist: {missing}"

@@ -1,0 +1,186 @@
+"""Seeds trained together in one vectorized model give what separate runs give (fp32, CPU)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from batchlab import data, stages
+from batchlab.config import Config
+from batchlab.data import Dataset, Split
+from batchlab.model import ACTIVATIONS
+from batchlab.seeds import vectorized
+from batchlab.sweep import groups, probes
+from batchlab.sweep.experiment import Experiment, experiment_config
+from batchlab.sweep.run import run_sweep
+from batchlab.training import gns_probes
+from batchlab.training.strategy import Strategy
+from batchlab.training.train import TrainResult, fit
+from tests.support import tiny_config
+
+TOL = 1e-6
+# timings and the process's memory are measured, not computed: they differ between any two runs
+MEASURED = {"samples_per_s", "epoch_seconds", "peak_memory_mb"}
+CPU = torch.device("cpu")
+
+
+def _configs(seeds: tuple[int, ...] = (0, 1, 2), activation: str = "relu", **train: Any) -> list[Config]:
+    # dropout in both hidden layers, the noise scale on, the val split scored within epochs
+    model = {"hidden_sizes": [16, 16], "dropout": 0.2, "activation": activation}
+    return [
+        tiny_config(model=model, train={"gns": True, "eval_every_steps": 5, **train, "seed": seed}) for seed in seeds
+    ]
+
+
+def _assert_same(separate: TrainResult, together: TrainResult) -> None:
+    for (name, a), (other, b) in zip(
+        separate.model.state_dict().items(), together.model.state_dict().items(), strict=True
+    ):
+        assert name == other
+        torch.testing.assert_close(b, a, atol=TOL, rtol=0, msg=name)
+    assert (together.best_epoch, together.stopped_early) == (separate.best_epoch, separate.stopped_early)
+    for rows_a, rows_b in ((separate.history, together.history), (separate.val_curve, together.val_curve)):
+        assert len(rows_b) == len(rows_a)
+        for a_row, b_row in zip(rows_a, rows_b, strict=True):
+            assert a_row.keys() == b_row.keys()
+            for key in a_row.keys() - MEASURED:
+                a, b = a_row[key], b_row[key]
+                assert (math.isnan(a) and math.isnan(b)) or abs(a - b) <= TOL * max(1.0, abs(a)), (key, a, b)
+
+
+@pytest.fixture
+def probe_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The noise probe every 4th step: a tiny run has too few steps for its default period."""
+    monkeypatch.setattr(gns_probes, "full_split_every", lambda rows, batch, passes: 4)
+
+
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+def test_three_seeds_together_equal_three_separate_fits(
+    tiny_dataset: Dataset, probe_often: None, activation: str
+) -> None:
+    """stacked.py writes the backward out for every activation the model offers: each as autograd's."""
+    cfgs = _configs(activation=activation)
+    separate = [fit(cfg, tiny_dataset, Strategy(CPU)) for cfg in cfgs]
+    together = vectorized.fit_seeds(cfgs, tiny_dataset, Strategy(CPU))
+    for a, b in zip(separate, together, strict=True):
+        _assert_same(a, b)
+    # the comparison means something: the noise scale was measured, dropout on, and seeds differ
+    assert all(math.isfinite(r["gns.b_simple"]) for r in together[0].history[1:])
+    assert sum(math.isfinite(p["gns.b_simple"]) for p in together[0].val_curve) > 5
+    first, second = (r.model.state_dict()["0.weight"] for r in together[:2])
+    assert (first - second).abs().max() > 0.01
+
+
+def test_early_stopping_stops_each_seed_at_its_own_epoch(tiny_dataset: Dataset) -> None:
+    cfgs = _configs(epochs=12, lr=0.05, early_stopping_patience=1, gns=False)
+    separate = [fit(cfg, tiny_dataset, Strategy(CPU)) for cfg in cfgs]
+    assert len({len(r.history) for r in separate}) > 1  # the seeds stop at different epochs
+    for a, b in zip(separate, vectorized.fit_seeds(cfgs, tiny_dataset, Strategy(CPU)), strict=True):
+        _assert_same(a, b)
+
+
+def test_a_step_one_seed_skips_leaves_the_others_stepping(tiny_dataset: Dataset, probe_often: None) -> None:
+    x = tiny_dataset.train.x.copy()
+    x[7] = np.nan  # one row: each seed meets it at its own step of every epoch, and skips that step
+    dataset = replace(tiny_dataset, train=Split(x, tiny_dataset.train.y))
+    cfgs = _configs()
+    separate = [fit(cfg, dataset, Strategy(CPU)) for cfg in cfgs]
+    assert all(row["nonfinite_steps"] == 1 for r in separate for row in r.history)
+    for a, b in zip(separate, vectorized.fit_seeds(cfgs, dataset, Strategy(CPU)), strict=True):
+        _assert_same(a, b)
+
+
+def test_interrupted_group_resumes_in_either_path_to_the_uninterrupted_result(
+    tiny_dataset: Dataset, tmp_path: Path, probe_often: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfgs = _configs()
+    checkpoints: list[Path | None] = [tmp_path / f"seed{c.train.seed}.pt" for c in cfgs]
+    finish_epoch, calls = vectorized._finish_epoch, []
+
+    def interrupt_in_epoch_2(*args: Any) -> None:
+        calls.append(1)
+        if len(calls) == len(cfgs) + 1:  # Ctrl-C in epoch 2, after epoch 1's checkpoints
+            raise KeyboardInterrupt
+        finish_epoch(*args)
+
+    monkeypatch.setattr(vectorized, "_finish_epoch", interrupt_in_epoch_2)
+    with pytest.raises(KeyboardInterrupt):
+        vectorized.fit_seeds(cfgs, tiny_dataset, Strategy(CPU), checkpoints=checkpoints)
+    monkeypatch.setattr(vectorized, "_finish_epoch", finish_epoch)
+    assert vectorized.epochs_to_resume(cfgs, tiny_dataset, [p for p in checkpoints if p]) == [1, 1, 1]
+    # seed 0 resumes alone in fit (the checkpoint is fit's format), seeds 1 and 2 together
+    resumed = [fit(cfgs[0], tiny_dataset, Strategy(CPU), checkpoint=checkpoints[0])]
+    resumed += vectorized.fit_seeds(cfgs[1:], tiny_dataset, Strategy(CPU), checkpoints=checkpoints[1:])
+    for cfg, result in zip(cfgs, resumed, strict=True):
+        _assert_same(fit(cfg, tiny_dataset, Strategy(CPU)), result)
+
+
+def _sweep(folder: Path, vectorize: bool) -> list[dict[str, Any]]:
+    cfg = tiny_config(sweep={"batch_sizes": [16, 64], "seeds": [0, 1], "vectorize_seeds": vectorize})
+    stages.generate(cfg, stages.Paths(folder))
+    run_sweep(cfg, stages.Paths(folder))
+    return [json.loads(p.read_text()) for p in sorted((folder / "sweep/experiments").glob("*/result.json"))]
+
+
+@pytest.mark.integration
+def test_sweep_with_seeds_together_gives_the_sequential_result_rows(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sequential = _sweep(tmp_path / "apart", False)
+    with caplog.at_level(logging.INFO, logger="batchlab.sweep.groups"):
+        together = _sweep(tmp_path / "together", True)
+    said = {r.getMessage() for r in caplog.records if r.name == "batchlab.sweep.groups"}
+    assert said == {f"sweep: bs{b}-seed0, bs{b}-seed1 train together" for b in (16, 64)}
+    assert [r["name"] for r in together] == [r["name"] for r in sequential] and len(together) == 4
+    for a, b in zip(sequential, together, strict=True):
+        assert b["curve_steps"] == a["curve_steps"]
+        for key in ("test_f1_macro", "test_accuracy", "grad_norm_mean", "gns_b_simple", "step_memory_mib"):
+            assert b[key] == pytest.approx(a[key], abs=TOL, nan_ok=True), key
+        for key in ("curve_val_loss", "curve_b_simple"):
+            assert b[key] == pytest.approx(a[key], abs=TOL, nan_ok=True), key
+        reports = {
+            name: tmp_path / name / "sweep/experiments" / a["name"] / "reports" for name in ("apart", "together")
+        }
+        assert (reports["together"] / "train.json").is_file() and (reports["together"] / "history.csv").is_file()
+        assert not (reports["together"].parent / ".batchlab/checkpoints/train.pt").exists()
+    # the group's wall time is shared, not counted once per seed; the speed compared across batch
+    # sizes is one training alone (probes.solo_speed), the same figure for every seed of a batch size
+    assert sum(r["train_seconds"] for r in together) > 0
+    cfg = tiny_config(sweep={"batch_sizes": [16, 64], "seeds": [0, 1], "vectorize_seeds": True})
+    dataset = data.load(stages.Paths(tmp_path / "together").data)
+    for row in together:
+        exp = Experiment(**{k: row[k] for k in ("batch_size", "seed", "lr", "epochs", "lr_multiplier",
+                                                         "eval_every_steps")})  # fmt: skip
+        solo = probes.solo_speed(experiment_config(cfg, exp), dataset)  # measured once: the same figure
+        assert (row["samples_per_s"], row["epoch_seconds"]) == (solo["samples_per_s"], solo["epoch_seconds"])
+
+
+def test_seeds_train_apart_where_the_vectorized_path_does_not_apply(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    todo = [Experiment(b, s, 0.01, 3) for b in (16, 32) for s in (0, 1)]
+    paths = stages.Paths(tmp_path)  # the MLP's seeds group on the config alone: no data read
+    assert [len(g) for g in groups.groups(tiny_config(sweep={"seeds": [0, 1]}), todo, paths)] == [2, 2]
+    off = tiny_config(sweep={"seeds": [0, 1], "vectorize_seeds": False})
+    assert [len(g) for g in groups.groups(off, todo, paths)] == [1, 1, 1, 1]
+    ddp = tiny_config(train={"strategy": "ddp", "nproc": 2}, sweep={"seeds": [0, 1]})
+    with caplog.at_level(logging.INFO, logger="batchlab.sweep.groups"):
+        assert [len(g) for g in groups.groups(ddp, todo, paths)] == [1, 1, 1, 1]
+    said = [r.getMessage() for r in caplog.records if r.name == "batchlab.sweep.groups"]
+    assert len(said) == 1 and "seeds train one after another: train.strategy ddp with 2 ranks" in said[0]
+    with pytest.raises(ValueError, match="fp16"):
+        vectorized.fit_seeds(_configs(precision="fp16"), Dataset.__new__(Dataset), Strategy(CPU))
+
+
+def test_configs_that_differ_in_more_than_the_seed_are_refused(tiny_dataset: Dataset) -> None:
+    cfgs = [*_configs(seeds=(0,)), *_configs(seeds=(1,), lr=0.02)]
+    with pytest.raises(ValueError, match=r"differ in train\.seed only"):
+        vectorized.fit_seeds(cfgs, tiny_dataset, Strategy(CPU))

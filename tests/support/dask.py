@@ -1,0 +1,94 @@
+"""A real Dask cluster for the sweep's tests: `dask scheduler` and `dask worker` processes."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from batchlab import stages
+from batchlab.config import load_config
+from batchlab.sweep.run import run_sweep
+from tests.support import (
+    BIN,
+    free_port,
+    merge,
+    wait_until,
+    write_params,
+)
+
+
+@dataclass
+class Cluster:
+    """`dask scheduler` and `dask worker` processes, each in its own process group."""
+
+    folder: Path
+    env: dict[str, str]
+    address: str = ""
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, name: str, cmd: list[str], ready: str, **env: str) -> None:
+        log = self.folder / f"{name}.log"
+        with open(log, "w") as out:
+            self.procs[name] = subprocess.Popen(
+                cmd, env={**self.env, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        wait_until(lambda: ready in log.read_text(), f"{name} to start", process=self.procs[name], log=log)
+
+    def scheduler(self) -> None:
+        port = free_port()
+        self.address = f"tcp://127.0.0.1:{port}"
+        cmd = [str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"]
+        self.start("scheduler", cmd, "Scheduler at:")
+
+    def worker(self, name: str, **env: str) -> None:
+        # one experiment at a time per worker; non-daemonic, so experiments may start torchrun
+        cmd = [str(BIN / "dask"), "worker", self.address, "--name", name, "--nthreads", "1", "--no-dashboard"]
+        self.start(name, cmd, "Registered to:", DASK_DISTRIBUTED__WORKER__DAEMON="False", **env)
+
+    def pause(self, name: str) -> None:
+        """SIGSTOP: the worker holds what it was given and runs nothing until `resume`."""
+        os.killpg(self.procs[name].pid, signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        if self.procs[name].poll() is None:
+            os.killpg(self.procs[name].pid, signal.SIGCONT)
+
+    def kill(self, name: str) -> None:
+        """The worker (nanny and its process) dies at once, as when its machine goes away."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        for name in reversed(list(self.procs)):
+            self.kill(name)
+
+    def log(self, name: str) -> str:
+        return (self.folder / f"{name}.log").read_text(errors="replace")
+
+
+def f1_by_batch(folder: Path) -> dict[str, float]:
+    with open(folder / "reports" / "sweep" / "summary.csv") as f:
+        return {row["batch_size"]: float(row["test_f1_macro_mean"]) for row in csv.DictReader(f)}
+
+
+def assert_f1_equals_the_local_executor(folder: Path, tmp_path: Path) -> None:
+    """The same sweep with the local executor, tracking off: the same F1 per batch size."""
+    local = tmp_path / "local"
+    shutil.copytree(folder / "data", local / "data")
+    cfg = merge(yaml.safe_load((folder / "params.yaml").read_text()), {"sweep": {"executor": "local"}})
+    write_params(local, merge(cfg, {"tracking": {"enabled": False}}))
+    run_sweep(load_config(local / "params.yaml"), stages.Paths(local))
+    dask_f1, local_f1 = f1_by_batch(folder), f1_by_batch(local)
+    assert dask_f1.keys() == local_f1.keys() == {"16", "32"}
+    for batch, f1 in local_f1.items():
+        assert dask_f1[batch] == pytest.approx(f1, abs=1e-6), batch
