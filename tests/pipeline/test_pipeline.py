@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -203,10 +204,17 @@ def test_ctrl_c_exits_130_keeps_the_checkpoint_and_ends_the_run_killed(repo_copy
 
 
 def test_a_second_dvc_repro_at_once_is_refused_and_the_first_completes(repo_copy: Path) -> None:
-    first = subprocess.Popen(["dvc", "repro", "train"], cwd=repo_copy, env=env_with_venv(), stdout=subprocess.PIPE)
-    # validate's stamp: the first repro is past its first stage, holding DVC's repo lock until train ends
+    first = subprocess.Popen(
+        ["dvc", "repro", "train"], cwd=repo_copy, env=env_with_venv(), stdout=subprocess.PIPE, start_new_session=True
+    )
+    # validate's stamp: the first repro is past its first stage, holding DVC's repo lock until train
+    # ends; frozen (SIGSTOP) while the second runs, so it certainly still holds it, whatever the load
     wait_until(lambda: (repo_copy / ".batchlab/params.ok").exists(), "the first repro's validate", process=first)
-    second = run(["dvc", "repro", "train"], repo_copy, check=False)
+    os.killpg(first.pid, signal.SIGSTOP)
+    try:
+        second = run(["dvc", "repro", "train"], repo_copy, check=False)
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
     # DVC's lock on the stage's outputs (rwlock) or on the repo: either way the second touches nothing
     refused = second.stderr + second.stdout
     assert second.returncode != 0 and ("is busy" in refused or "Unable to acquire lock" in refused), refused
