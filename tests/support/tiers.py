@@ -31,7 +31,7 @@ UNKNOWN_S = 1.0  # a test with no recorded duration is handed out as a 1 s one
 
 # fixtures that copy the repo, start a process or a server: a test that takes one is not a unit test
 PROCESS_FIXTURES = frozenset(
-    {"repo_copy", "built_repo", "pipeline", "server", "setup", "cluster", "repo", "mlflow_server"}
+    {"repo_copy", "after_make_run", "pipeline", "server", "setup", "cluster", "repo", "mlflow_server"}
 )
 
 
@@ -58,9 +58,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = longest_first(items, _recorded())
 
 
-def _recorded() -> dict[str, float]:
+def _recorded(path: Path = DURATIONS) -> dict[str, float]:
     try:
-        return {k: float(v) for k, v in json.loads(DURATIONS.read_text()).items()}
+        return {k: float(v) for k, v in json.loads(path.read_text()).items()}
     except (OSError, ValueError):
         return {}
 
@@ -111,6 +111,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     if config.getvalue("dist") != "load":
         return None  # another --dist asked for by name
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # xdist would put the units with the most tests first
 
     class SharedFixtureScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -210,7 +212,10 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         if count:
             write(f"  {tier:<12} {count:4d} tests  {seconds:7.0f} s of test time")
     out = os.environ.get("BATCHLAB_DURATIONS_OUT")
-    if out:  # `make test-durations`: merge this run's figures into the recorded ones
-        merged = {**_recorded(), **{k: round(v, 2) for k, v in _START["durations"].items()}}
-        Path(out).write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
+    if out:  # `make test-durations`: merge this run's figures into the file's (or the recorded ones)
+        path = Path(out)
+        merged = {**_recorded(path if path.exists() else DURATIONS), **_START["durations"]}
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps({k: round(v, 2) for k, v in sorted(merged.items())}, indent=0) + "\n")
+        tmp.replace(path)
         write(f"  durations of {len(_START['durations'])} tests merged into {out}")

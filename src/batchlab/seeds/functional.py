@@ -9,7 +9,7 @@ stacked weights, so they are the separate run's calls on the same weights.
 
 What vmap batches is not always the separate run's kernel (a conv of S seeds is one grouped conv,
 a linear layer a batched matmul), so a seed's numbers equal its separate run's within 1e-5 in
-fp32 on the CPU (tests/seeds/test_vectorized_generic.py), not bit for bit as the MLP's hand-written
+fp32 on the CPU (tests/test_vectorized_generic.py), not bit for bit as the MLP's hand-written
 kernels do (stacked.py). `why_apart` says which models cannot train this way, before any seed
 does: batch statistics (BatchNorm), frozen parameters, random draws other than nn.Dropout's and
 nn.MultiheadAttention's, buffers the forward changes, a forward vmap cannot run.

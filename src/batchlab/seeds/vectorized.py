@@ -9,9 +9,9 @@ seed keeps everything `fit` gives a separate run: its data order and initial wei
 (train.seed), its dropout masks (its own generator, seeded and drawn as `fit` draws them from
 the global RNG), its gradient norm and non-finite skip, noise scale, val curve, early stopping,
 history, best weights, checkpoint and tracker. In fp32 on the CPU the MLP's results equal
-separate runs within 1e-6 (tests/seeds/test_vectorized.py); on the machines here, bit for bit: the same
+separate runs within 1e-6 (tests/test_vectorized.py); on the machines here, bit for bit: the same
 kernels in the same order (stacked.py's linear backward, norm and loss are written for it). Other
-modules' equal them within 1e-5 (tests/seeds/test_vectorized_generic.py): vmap batches some kernels.
+modules' equal them within 1e-5 (tests/test_vectorized_generic.py): vmap batches some kernels.
 A seed's checkpoint holds its model, optimizer and schedule as `fit` writes them: either path
 resumes the other's.
 """

@@ -13,7 +13,7 @@ from n values) and the line is refitted to every draw. Resampling the seeds inst
 bootstrap) covered the true B_crit in only 80% of simulated 3-seed studies at the default
 study's spread: a bootstrap of 3 values under-states their spread by (n − 1)/n and cannot draw
 a value outside them. This one covered it in 93% (3 seeds) and 96% (5 seeds) of 400 simulated
-studies (tests/study/test_critical.py checks at least 93% in 200).
+studies (tests/test_critical.py checks at least 93% in 200).
 
 Beside the McCandlish fit, the 20%-excess critical batch size (Zhang et al., ICLR 2025, "How
 Does Critical Batch Size Scale in Pre-training?"): the batch at which the steps to the target

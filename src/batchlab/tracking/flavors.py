@@ -1,7 +1,7 @@
 """MLflow's model flavors without the work batchlab never needs: what that work cost here, and how it is skipped.
 
 Both shims touch one MLflow import or private cache, for the duration of a call, and leave MLflow as
-it was; tests/tracking/test_tracking.py fails if a new MLflow moves what they touch.
+it was; tests/test_tracking.py fails if a new MLflow moves what they touch.
 """
 
 from __future__ import annotations
