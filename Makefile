@@ -11,7 +11,7 @@ export PREFECT_HOME ?= $(abspath .prefect)
 export PREFECT_LOGGING_EXTRA_LOGGERS ?= batchlab
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run compare test test-fast test-durations lint format bench ui serve clean
+.PHONY: help setup run compare test test-fast test-durations lint format bench ui serve clean docker-check
 
 help:  ## this list
 	@sed -n 's/^\([a-z-]*\):.*## \(.*\)/  make \1\t\2/p' $(firstword $(MAKEFILE_LIST)) | expand -t 19
@@ -77,6 +77,11 @@ ui: setup  ## MLflow UI on http://127.0.0.1:5000 (UI_PORT=...), opened on the ru
 
 serve: setup  ## serve the Prefect schedules (a local server on PREFECT_PORT unless PREFECT_API_URL is set)
 	exec env BIN=$(BIN) flows/serve.sh
+
+# Builds the image with podman (or docker) and runs `make run` and `batchlab predict` in it as its
+# user, to a clean `dvc status`; a local Debian base when no registry base is at hand (docs/install.md).
+docker-check:  ## build the image and run the pipeline in it (podman or docker; ~15 min, not in `make test`)
+	bash scripts/docker-check.sh
 
 clean:  ## remove every output, the MLflow store and the caches
 	rm -rf .batchlab reports models data/prepared mlflow.db mlruns .pytest_cache .mypy_cache .ruff_cache
