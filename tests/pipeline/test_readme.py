@@ -36,6 +36,9 @@ NOT_RUN = {
     "python3 -m venv": "GPU set-up (CUDA wheels come from the network)",
     ".venv/bin/pip install --index-url": "GPU set-up (CUDA wheels come from the network)",
     "docker": "no Docker engine on this machine",
+    "make docker-check": "builds the image and runs the pipeline in it (~15 min): tests/pipeline/test_docker_check.py, "
+    "with BATCHLAB_DOCKER_CHECK=1",
+    "BATCHLAB_DOCKER_CHECK=1": "tests/pipeline/test_docker_check.py itself, opt-in (~15 min)",
     ".venv/bin/batchlab reproduce": "needs a run id from a clean commit: tests/audit/test_reproduce.py",
     ".venv/bin/batchlab predict --model models:/": "a registry `make run` may restore from DVC's cache without "
     "registering: tests/inference/test_predict.py::test_mlflow_uris_name_the_same_model",
