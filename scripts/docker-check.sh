@@ -64,8 +64,10 @@ elif command -v podman >/dev/null 2>&1; then
   ENGINE=podman
 elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   say "installing podman and runc (apt-get)"
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc >/dev/null; } \
-    || fail "apt-get could not install podman"
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc >/dev/null; }; then
+    echo "docker-check: skipped: no container engine, and apt-get could not install podman"
+    exit 0
+  fi
   ENGINE=podman
 else
   echo "docker-check: skipped: no container engine (docker daemon or podman) and none can be installed here"
