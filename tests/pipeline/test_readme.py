@@ -131,6 +131,7 @@ def after_make_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
             shutil.rmtree(built, ignore_errors=True)
             copy_repo(built)
             (built / ".venv").symlink_to(sys.prefix)  # what `make run` creates
+            (shared / "readme-home").mkdir(exist_ok=True)
             env = {**_plain_shell_env(), "HOME": str(shared / "readme-home")}
             _run_as_a_user(".venv/bin/dvc repro", built, env)
             (built / ".built").touch()
@@ -142,7 +143,9 @@ def after_make_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_every_readme_command_works_as_written_after_make_run(group: str, after_make_run: Path, tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     shutil.copytree(after_make_run, repo, symlinks=True, ignore=shutil.ignore_patterns(".built"))
-    env = {**_plain_shell_env(), "HOME": str(tmp_path / "home")}  # a fresh ~/.prefect
+    home = tmp_path / "home"  # a user's own, as yet without ~/.prefect
+    home.mkdir()
+    env = {**_plain_shell_env(), "HOME": str(home)}
     for command in _groups()[group]:
         _run_as_a_user(command, repo, env)
 
