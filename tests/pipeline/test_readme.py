@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, copy_repo, env_with_venv
+from tests.support import REPO, copy_repo, env_with_venv, refresh_git_index
 
 # prefix of a README command -> why this test does not run it, and what covers it instead
 NOT_RUN = {
@@ -143,6 +143,7 @@ def after_make_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_every_readme_command_works_as_written_after_make_run(group: str, after_make_run: Path, tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     shutil.copytree(after_make_run, repo, symlinks=True, ignore=shutil.ignore_patterns(".built"))
+    refresh_git_index(repo)
     home = tmp_path / "home"  # a user's own, as yet without ~/.prefect
     home.mkdir()
     env = {**_plain_shell_env(), "HOME": str(home)}

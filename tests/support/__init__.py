@@ -156,7 +156,14 @@ def copy_repo(dest: Path) -> Path:
     """The repo's tracked files at `dest`, in a fresh git + DVC repo, with tiny params: a copy of
     one template per test process (one `git init/add/commit`, not one per test)."""
     shutil.copytree(_template_repo(), dest, symlinks=True)
+    refresh_git_index(dest)
     return dest
+
+
+def refresh_git_index(repo: Path) -> None:
+    """Git's index of a copied repo holds the original files' inodes and ctimes, so every file looks
+    changed to `git diff-files` (and to the libraries that read the index) until it is refreshed."""
+    subprocess.run(["git", "update-index", "-q", "--refresh"], cwd=repo, capture_output=True, check=False)
 
 
 @functools.cache
