@@ -70,7 +70,7 @@ def test_six_runs_logging_the_same_dataset_at_a_barrier_on_postgresql_all_log_it
     up, insert it if absent", and six runs released at once all insert it."""
     import multiprocessing
 
-    from tests.support.tracking import log_the_dataset_at_once
+    from tests.support.dataset_race import log_the_dataset_at_once
 
     with mlflow_on_postgres(tmp_path) as server:
         context = multiprocessing.get_context("spawn")

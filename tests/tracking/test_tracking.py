@@ -30,7 +30,7 @@ from tests.support import (
     tiny_config,
     wait_until,
 )
-from tests.support.tracking import log_the_dataset_at_once
+from tests.support.dataset_race import log_the_dataset_at_once
 
 pytestmark = pytest.mark.integration  # MLflow stores written in this process (SQLite), or servers: e2e
 
