@@ -29,6 +29,12 @@ def pytest_configure(config: pytest.Config) -> None:
         import torch
 
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(workers)))
+    # matplotlib builds its font cache on its first use on a machine, running fc-list: here, before
+    # any test, rather than in whichever unit test draws first (the tiers' guard failed it on a
+    # fresh machine: "a unit test started 2 process(es) (fc-list --help; ...)")
+    from matplotlib import font_manager
+
+    font_manager.findfont("DejaVu Sans")
 
 
 @pytest.fixture(scope="session")
