@@ -14,6 +14,7 @@ from typing import Any
 
 from batchlab import stages
 from batchlab.config import Config, load_config
+from batchlab.paths import Paths
 from batchlab.study import analysis
 from batchlab.sweep.run import run_sweep
 from common import REPO, Table, markdown, progress, timed, working_dir
@@ -34,7 +35,7 @@ def _config(overrides: dict[str, Any]) -> Config:
 
 def _study(cfg: Config, folder: Path) -> tuple[analysis.Study, float]:
     with working_dir(folder):
-        paths = stages.Paths(folder)
+        paths = Paths(folder)
         stages.generate(cfg, paths)
         _, wall = timed(lambda: run_sweep(cfg, paths))
         rows = [json.loads(p.read_text()) for p in sorted(folder.glob("sweep/experiments/*/result.json"))]

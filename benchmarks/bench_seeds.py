@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from batchlab.config import Config, load_config
 from batchlab.data import Dataset, build
 from batchlab.seeds import vectorized
-from batchlab.sweep.experiment import experiment_config, plan
+from batchlab.sweep.plan import experiment_config, plan
 from batchlab.training.strategy import Strategy
 from batchlab.training.train import fit
 from common import REPO, Table, progress, verdict

@@ -12,6 +12,7 @@ from typing import Any
 
 from batchlab import stages
 from batchlab.config import Config, load_config
+from batchlab.paths import Paths
 from batchlab.sweep import probes
 from batchlab.sweep.run import run_sweep
 from common import REPO, Table, markdown, progress, timed, working_dir
@@ -44,7 +45,7 @@ def _timing_probes() -> dict[str, float]:
 
 def run_once(cfg: Config, folder: Path) -> dict[str, Any]:
     with working_dir(folder):
-        paths = stages.Paths(folder)
+        paths = Paths(folder)
         stages.generate(cfg, paths)
         spent = _timing_probes()
         summary, wall = timed(lambda: run_sweep(cfg, paths))

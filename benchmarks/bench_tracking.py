@@ -24,6 +24,7 @@ import torch
 from batchlab import data, stages, tracking
 from batchlab.config import Config, load_config
 from batchlab.model import build_model
+from batchlab.paths import Paths
 from batchlab.tracking.mlflow_tracker import MlflowTracker
 from batchlab.training.strategy import Strategy
 from batchlab.training.train import fit
@@ -101,7 +102,7 @@ def per_epoch_costs(cfg: Config, dataset: data.Dataset) -> dict[str, Any]:
     }
 
 
-def stage_costs(on: Config, off: Config, paths: stages.Paths) -> dict[str, float]:
+def stage_costs(on: Config, off: Config, paths: Paths) -> dict[str, float]:
     """The whole train stage: run creation, params, datasets, per-epoch metrics, model logging."""
     stages.train(on, paths)  # warm-up: imports and the experiment's first run
     stages.train(off, paths)
@@ -130,7 +131,7 @@ def main() -> dict[str, Any]:
         shutil.copy(REPO / "params.yaml", params)
         uri = f"sqlite:///{root / 'mlflow.db'}"
         on, off = with_tracking(base, True, uri), with_tracking(base, False, uri)
-        paths = stages.Paths(root)
+        paths = Paths(root)
         stages.generate(off, paths)
         dataset = data.load(paths.data)
         once = one_off_costs(on, root, dataset)

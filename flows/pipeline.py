@@ -25,6 +25,7 @@ from prefect.tasks import exponential_backoff
 
 from batchlab import orchestration, stages
 from batchlab.config import Config
+from batchlab.paths import Paths
 
 RETRY = {
     "retries": 2,
@@ -36,24 +37,24 @@ RETRY = {
 
 @task(name="generate", cache_key_fn=orchestration.generate_cache_key, persist_result=True)
 def generate(cfg: Config, root: str) -> dict[str, Any]:
-    return stages.generate(cfg, stages.Paths(Path(root)))
+    return stages.generate(cfg, Paths(Path(root)))
 
 
 @task(name="train", **RETRY)  # type: ignore[call-overload]
 def train(cfg: Config, root: str) -> dict[str, Any]:
     tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_name": str(flow_run.flow_name)}
-    paths = stages.Paths(Path(root))
+    paths = Paths(Path(root))
     return stages.train(cfg, paths, tags=tags)
 
 
 @task(name="evaluate", **RETRY)  # type: ignore[call-overload]
 def evaluate(cfg: Config, root: str) -> dict[str, float]:
-    return stages.evaluate(cfg, stages.Paths(Path(root)))
+    return stages.evaluate(cfg, Paths(Path(root)))
 
 
 @task(name="export", **RETRY)  # type: ignore[call-overload]
 def export(cfg: Config, root: str) -> dict[str, Any]:
-    return stages.export(cfg, stages.Paths(Path(root)))
+    return stages.export(cfg, Paths(Path(root)))
 
 
 @flow(name="batchlab-pipeline", log_prints=True)

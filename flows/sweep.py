@@ -18,10 +18,10 @@ from prefect.cache_policies import NONE
 from prefect.futures import PrefectFuture, as_completed
 from prefect.tasks import exponential_backoff
 
-from batchlab import orchestration, stages
-from batchlab.config import Config
+from batchlab import orchestration
+from batchlab.paths import Paths
 from batchlab.sweep import executors, groups, lock, progress
-from batchlab.sweep.experiment import Experiment
+from batchlab.sweep.plan import Experiment, Lane, Work
 from batchlab.sweep.run import finish, parent_run, prepare, run_counted
 from batchlab.training import launch
 from pipeline import generate  # flows/ is on sys.path when a flow file runs
@@ -35,22 +35,18 @@ from pipeline import generate  # flows/ is on sys.path when a flow file runs
     retry_condition_fn=orchestration.retry_transient,
     cache_policy=NONE,
 )
-def experiment(cfg: Config, group: list[Experiment], name: str, root: str, parent_run_id: str | None) -> dict[str, Any]:
+def experiment(lane: Lane, work: Work, name: str) -> dict[str, Any]:
     """The result rows of one experiment, or of the seeds of a batch size trained together, by name."""
-    return groups.run_group(cfg, group, stages.Paths(Path(root)), parent_run_id)
+    return groups.run_work(lane, work)
 
 
-def in_lanes(
-    cfg: Config, todo: list[Experiment], paths: stages.Paths, parent_run_id: str | None
-) -> dict[str, dict[str, Any]]:
-    """The local executor as Prefect tasks: `sweep.parallel` lanes, each one group at a time."""
-    root = str(paths.root)
+def in_lanes(lane: Lane, todo: list[Experiment]) -> dict[str, dict[str, Any]]:
+    """The local executor as Prefect tasks: `sweep.parallel` lanes, each one work item at a time."""
     futures: list[PrefectFuture[dict[str, Any]]] = []
-    for lane in groups.lanes(groups.groups(cfg, todo, paths), cfg.sweep.parallel):
+    for queue in groups.lanes(groups.groups(lane.cfg, todo, lane.paths), lane.cfg.sweep.parallel):
         previous: list[PrefectFuture[dict[str, Any]]] = []
-        for group in lane:  # one lane runs its groups one after another
-            name = "+".join(exp.name for exp in group)
-            future = experiment.submit(cfg, group, name, root, parent_run_id, wait_for=previous, return_state=False)
+        for work in queue:  # one lane runs its work items one after another
+            future = experiment.submit(lane, work, work.name, wait_for=previous, return_state=False)
             futures.append(future)
             previous = [future]
     results: dict[str, dict[str, Any]] = {}
@@ -66,7 +62,7 @@ def batch_size_sweep(
     params: str = "params.yaml", overrides: dict[str, Any] | None = None, root: str = "."
 ) -> dict[str, Any]:
     """Train at every sweep.batch_sizes under identical conditions; report the trade-off."""
-    paths = stages.Paths(Path(root))
+    paths = Paths(Path(root))
     with lock.exclusive(paths):  # the lock `batchlab sweep` takes: one sweep per folder, flow or CLI
         cfg = orchestration.resolve(params, overrides, root)
         generate.with_options(refresh_cache=orchestration.refresh_generate(cfg, root))(cfg, root)
@@ -74,7 +70,7 @@ def batch_size_sweep(
         executor = executors.for_sweep(cfg, local=in_lanes)  # sweep.executor: dask runs a subflow on the cluster
         study = prepare(cfg, paths)
         with parent_run(cfg, paths, study) as parent:
-            results = run_counted(executor, cfg, study, paths, parent.run_id)
+            results = run_counted(executor, Lane(cfg, paths, parent.run_id), study)
             summary = finish(cfg, paths, study, results, parent)
     create_markdown_artifact(
         key="batchlab-sweep", markdown=f"**MLflow parent run:** `{study.parent_run_id}`\n\n{summary['markdown']}"

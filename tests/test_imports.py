@@ -25,7 +25,8 @@ LAYERS: list[set[str]] = [
     {"seeds", "study"},  # the study analyses rows: it trains nothing and knows no sweep
     {"stages", "audit"},
     {"orchestration"},
-    {"sweep"},  # only the CLI (and flows/) above it
+    {"sweep"},  # only the commands (and flows/) above it
+    {"commands"},  # each command's function, imported when it runs
     {"cli"},
 ]
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
@@ -152,6 +153,14 @@ def test_imports_point_down_the_layers() -> None:
     )
     assert not _graph()["batchlab"]
     assert upward == [], "imports that point up or sideways (see LAYERS): " + ", ".join(upward)
+
+
+def test_the_sweep_reaches_training_through_the_training_package_never_through_the_stages() -> None:
+    """stages.py holds the four stage entry points; the tracked training that the sweep reuses is
+    training/tracked.py, and the paths are paths.py."""
+    reaching = sorted(f"{m} -> {t}" for m, targets in _graph().items() for t in targets
+                      if _unit(m) == "sweep" and _unit(t) == "stages")  # fmt: skip
+    assert reaching == []
 
 
 def test_at_most_twelve_modules_at_the_top_of_the_package() -> None:

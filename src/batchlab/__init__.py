@@ -1,3 +1,3 @@
-"""batchlab: a reproducible, tracked training pipeline for tabular classifiers."""
+"""batchlab: a reproducible, tracked training pipeline for classifiers of feature rows, images and token sequences."""
 
 __version__ = "0.1.0"

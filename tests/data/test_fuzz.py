@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 from batchlab import data, stages
 from batchlab.config import Config, ConfigError, load_config
 from batchlab.data import DataError
-from batchlab.inference import predict
+from batchlab.inference import predict, readers
 from batchlab.paths import Paths
 from tests.support import REPO, TINY, merge, run, tiny_config, write_params
 from tests.support.fuzz import (
@@ -87,9 +87,9 @@ def model(model_root: Path) -> predict.OnnxClassifier:
 def _predicted_rows(out: Path | io.StringIO) -> pd.DataFrame:
     """predict's output, checked: the class and a probability per class in every row, both valid."""
     frame = pd.read_csv(out, dtype=str, keep_default_na=False)
-    proba = frame[[predict.proba_column(c) for c in CLASSES]].astype(np.float64).to_numpy()
+    proba = frame[[readers.proba_column(c) for c in CLASSES]].astype(np.float64).to_numpy()
     assert np.isfinite(proba).all() and (proba >= 0).all() and np.allclose(proba.sum(axis=1), 1), proba
-    assert set(frame[predict.PREDICTED]) <= set(CLASSES)
+    assert set(frame[readers.PREDICTED]) <= set(CLASSES)
     return frame
 
 
@@ -110,7 +110,7 @@ def _predicts_or_refuses(model: predict.OnnxClassifier, blob: bytes, suffix: str
     nothing_unpickled()
 
 
-CHUNKS = st.sampled_from([1, 7, predict.CHUNK_ROWS])
+CHUNKS = st.sampled_from([1, 7, readers.CHUNK_ROWS])
 
 
 @pytest.mark.integration  # 300 generated files through the real readers: not a tiny unit
@@ -278,7 +278,7 @@ def test_object_arrays_are_refused_unpickled(model: predict.OnnxClassifier, tmp_
     np.savez(tmp_path / "rows.npz", x=trapped, y=np.array([0]))
     for name in ("rows.npy", "rows.npz"):
         with pytest.raises(DataError) as err:
-            list(predict.read_chunks(tmp_path / name, model))
+            list(readers.read_chunks(tmp_path / name, model))
         assert "allow_pickle" not in one_line(err.value) or "object" in str(err.value)
     with pytest.raises(DataError) as err:
         data.sources.read_npz(tmp_path / "rows.npz")

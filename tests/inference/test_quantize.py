@@ -17,6 +17,7 @@ from batchlab import data, stages
 from batchlab.config import ModelConfig
 from batchlab.inference.predict import OnnxClassifier
 from batchlab.model import build_model, save_model
+from batchlab.paths import Paths
 from batchlab.tracking.base import FAILED_ATTEMPT
 from tests.support import TINY, merge, run, set_params, tiny_config, write_params
 
@@ -63,7 +64,7 @@ def test_an_int8_model_beyond_the_f1_drop_fails_export_and_leaves_no_int8_file(t
     params = merge(TINY, {"export": {"quantize": "dynamic", "atol": 1e-3},
                           "tracking": {"enabled": True, "tracking_uri": store}})  # fmt: skip
     write_params(tmp_path, params)
-    paths = stages.Paths(root=tmp_path)
+    paths = Paths(root=tmp_path)
     stages.generate(tiny_config(**params), paths)
     run(["batchlab", "train"], tmp_path)  # a good tracked run, which export logs into
     dataset = data.load(paths.data)

@@ -15,9 +15,10 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.testing.utilities import prefect_test_harness
 
-from batchlab import orchestration, stages, tracking
+from batchlab import orchestration, tracking
 from batchlab.config import ConfigError
 from batchlab.data import DataError
+from batchlab.paths import Paths
 from batchlab.sweep import lock
 from tests.support import REPO, TINY, merge, run, wait_until, write_params
 
@@ -174,7 +175,7 @@ def test_sweep_flow_runs_one_task_per_experiment_then_none_on_rerun(root: Path) 
 
 
 def test_sweep_flow_refuses_while_another_sweep_holds_the_folder(root: Path) -> None:
-    with lock.exclusive(stages.Paths(root)):  # the lock `batchlab sweep` holds while it runs
+    with lock.exclusive(Paths(root)):  # the lock `batchlab sweep` holds while it runs
         state = sweep_flow.batch_size_sweep(root=str(root), return_state=True)
     assert state.is_failed()
     assert "another sweep is running in this folder" in str(state.message)

@@ -17,9 +17,10 @@ from batchlab import data, stages
 from batchlab.config import Config
 from batchlab.data import Dataset, Split
 from batchlab.model import ACTIVATIONS
+from batchlab.paths import Paths
 from batchlab.seeds import vectorized
 from batchlab.sweep import groups, probes
-from batchlab.sweep.experiment import Experiment, experiment_config
+from batchlab.sweep.plan import Experiment, experiment_config
 from batchlab.sweep.run import run_sweep
 from batchlab.training import gns_probes
 from batchlab.training.strategy import Strategy
@@ -125,8 +126,8 @@ def test_interrupted_group_resumes_in_either_path_to_the_uninterrupted_result(
 
 def _sweep(folder: Path, vectorize: bool) -> list[dict[str, Any]]:
     cfg = tiny_config(sweep={"batch_sizes": [16, 64], "seeds": [0, 1], "vectorize_seeds": vectorize})
-    stages.generate(cfg, stages.Paths(folder))
-    run_sweep(cfg, stages.Paths(folder))
+    stages.generate(cfg, Paths(folder))
+    run_sweep(cfg, Paths(folder))
     return [json.loads(p.read_text()) for p in sorted((folder / "sweep/experiments").glob("*/result.json"))]
 
 
@@ -155,7 +156,7 @@ def test_sweep_with_seeds_together_gives_the_sequential_result_rows(
     # sizes is one training alone (probes.solo_speed), the same figure for every seed of a batch size
     assert sum(r["train_seconds"] for r in together) > 0
     cfg = tiny_config(sweep={"batch_sizes": [16, 64], "seeds": [0, 1], "vectorize_seeds": True})
-    dataset = data.load(stages.Paths(tmp_path / "together").data)
+    dataset = data.load(Paths(tmp_path / "together").data)
     for row in together:
         exp = Experiment(**{k: row[k] for k in ("batch_size", "seed", "lr", "epochs", "lr_multiplier",
                                                          "eval_every_steps")})  # fmt: skip
@@ -167,7 +168,7 @@ def test_seeds_train_apart_where_the_vectorized_path_does_not_apply(
     caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     todo = [Experiment(b, s, 0.01, 3) for b in (16, 32) for s in (0, 1)]
-    paths = stages.Paths(tmp_path)  # the MLP's seeds group on the config alone: no data read
+    paths = Paths(tmp_path)  # the MLP's seeds group on the config alone: no data read
     assert [len(g) for g in groups.groups(tiny_config(sweep={"seeds": [0, 1]}), todo, paths)] == [2, 2]
     off = tiny_config(sweep={"seeds": [0, 1], "vectorize_seeds": False})
     assert [len(g) for g in groups.groups(off, todo, paths)] == [1, 1, 1, 1]

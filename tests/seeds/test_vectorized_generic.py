@@ -15,14 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchlab import data, stages
+from batchlab import data
 from batchlab.config import Config
 from batchlab.data import Dataset, Split, build
+from batchlab.paths import Paths
 from batchlab.seeds import vectorized
 from batchlab.seeds.functional import record_draws
 from batchlab.seeds.standins import Masks, draw_masks, stand_in
 from batchlab.sweep import groups
-from batchlab.sweep.experiment import Experiment
+from batchlab.sweep.plan import Experiment
 from batchlab.training import gns_probes
 from batchlab.training.strategy import Strategy
 from batchlab.training.train import TrainResult, fit, initial_model
@@ -210,7 +211,7 @@ def test_a_model_the_vmap_path_cannot_take_trains_its_seeds_apart_saying_why(
     dataset = _dataset(cfgs[0])
     # the config cannot tell: the sweep tries the model on the prepared rows, and does not group
     # its seeds (each then fills a lane and keeps its own wall time), saying why once
-    paths = stages.Paths(tmp_path)
+    paths = Paths(tmp_path)
     data.save(dataset, build(cfgs[0].data)[1], paths.data)
     todo = [Experiment(b, s, 0.01, 2) for b in (16, 32) for s in (0, 1)]
     sweep_cfg = tiny_config(data=IMAGES, model=model, sweep={"seeds": [0, 1]})

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from batchlab import stages
 from batchlab.config import load_config
+from batchlab.paths import Paths
 from batchlab.sweep.run import run_sweep
 from tests.support import (
     BIN,
@@ -87,7 +87,7 @@ def assert_f1_equals_the_local_executor(folder: Path, tmp_path: Path) -> None:
     shutil.copytree(folder / "data", local / "data")
     cfg = merge(yaml.safe_load((folder / "params.yaml").read_text()), {"sweep": {"executor": "local"}})
     write_params(local, merge(cfg, {"tracking": {"enabled": False}}))
-    run_sweep(load_config(local / "params.yaml"), stages.Paths(local))
+    run_sweep(load_config(local / "params.yaml"), Paths(local))
     dask_f1, local_f1 = f1_by_batch(folder), f1_by_batch(local)
     assert dask_f1.keys() == local_f1.keys() == {"16", "32"}
     for batch, f1 in local_f1.items():

@@ -23,6 +23,7 @@ from mlflow import MlflowClient
 
 from batchlab import stages
 from batchlab.config import parse_config
+from batchlab.paths import Paths
 from tests.support import (
     REPO,
     TINY,
@@ -217,7 +218,7 @@ def test_worker_killed_after_finishing_an_experiment_is_not_trained_again(setup:
 def _prepared(folder: Path) -> dict[str, Any]:
     """The repo's params with TINY's, and their data prepared in `folder`."""
     params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), TINY)
-    stages.generate(parse_config(params), stages.Paths(folder))
+    stages.generate(parse_config(params), Paths(folder))
     return params
 
 

@@ -25,6 +25,7 @@ import yaml
 
 from batchlab import stages
 from batchlab.config import parse_config
+from batchlab.paths import Paths
 from tests.support import REPO, TINY, default_sigint, env_with_venv, merge, prefect_server, wait_until, write_params
 from tests.support.dask import Cluster
 
@@ -130,7 +131,7 @@ def started(cmd: list[str], folder: Path, env: dict[str, str]) -> Iterator[Watch
 def _prepared(folder: Path, **sections: dict[str, Any]) -> None:
     """The repo's params with TINY's and `sections`, tracking off, and their data prepared in `folder`."""
     params = merge(merge(yaml.safe_load((REPO / "params.yaml").read_text()), TINY), sections)
-    stages.generate(parse_config(params), stages.Paths(folder))
+    stages.generate(parse_config(params), Paths(folder))
     write_params(folder, params)
 
 

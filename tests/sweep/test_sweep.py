@@ -21,9 +21,11 @@ from mlflow import MlflowClient
 
 from batchlab import atomic, stages
 from batchlab.config import ConfigError
+from batchlab.paths import Paths
 from batchlab.sweep import experiment
-from batchlab.sweep.experiment import experiment_config, plan, scaled_lr
+from batchlab.sweep.plan import Lane, experiment_config, folder_of, plan
 from batchlab.sweep.run import prepare, run_sweep
+from batchlab.training.optim import scaled_lr
 from batchlab.training.train import initial_model
 from tests.support import TINY, env_with_venv, merge, run, tiny_config, wait_until, write_params
 
@@ -53,8 +55,8 @@ def test_where_a_sweep_runs_is_not_what_it_is() -> None:
 def test_sweep_records_parent_children_and_report(workdir: Path) -> None:
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri}, sweep={"lr_scaling": "sqrt", "seeds": [0, 1]})
-    stages.generate(cfg, stages.Paths(workdir))
-    summary = run_sweep(cfg, stages.Paths(workdir))
+    stages.generate(cfg, Paths(workdir))
+    summary = run_sweep(cfg, Paths(workdir))
 
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("sweep-test").experiment_id])
@@ -121,8 +123,8 @@ def test_sweep_records_parent_children_and_report(workdir: Path) -> None:
 @pytest.mark.integration
 def test_lr_multipliers_run_each_batch_size_at_each_lr_and_keep_the_best(workdir: Path) -> None:
     cfg = tiny_config(sweep={"batch_sizes": [16, 64], "lr_multipliers": [0.25, 1, 4]})
-    stages.generate(cfg, stages.Paths(workdir))
-    summary = run_sweep(cfg, stages.Paths(workdir))
+    stages.generate(cfg, Paths(workdir))
+    summary = run_sweep(cfg, Paths(workdir))
     names = sorted(p.name for p in (workdir / "sweep/experiments").iterdir())
     assert names == sorted(f"bs{b}{m}-seed0" for b in (16, 64) for m in ("-lrx0.25", "", "-lrx4"))
     results = [json.loads(p.read_text()) for p in (workdir / "sweep/experiments").glob("*/result.json")]
@@ -137,11 +139,11 @@ def test_lr_multipliers_run_each_batch_size_at_each_lr_and_keep_the_best(workdir
 @pytest.mark.integration
 def test_results_of_other_code_are_measured_again(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tiny_config(sweep={"batch_sizes": [16, 64]})
-    stages.generate(cfg, stages.Paths(workdir))
-    run_sweep(cfg, stages.Paths(workdir))
-    assert prepare(cfg, stages.Paths(workdir)).todo == []
+    stages.generate(cfg, Paths(workdir))
+    run_sweep(cfg, Paths(workdir))
+    assert prepare(cfg, Paths(workdir)).todo == []
     monkeypatch.setattr(experiment, "code_hash", lambda: "edited")  # what an edit to src/batchlab does
-    assert len(prepare(cfg, stages.Paths(workdir)).todo) == 2
+    assert len(prepare(cfg, Paths(workdir)).todo) == 2
 
 
 def test_experiments_differ_only_in_batch_size_and_lr() -> None:
@@ -162,9 +164,9 @@ def test_experiments_differ_only_in_batch_size_and_lr() -> None:
 
 def test_batch_larger_than_train_split_is_rejected_before_anything_runs(workdir: Path) -> None:
     cfg = tiny_config(sweep={"batch_sizes": [32, 4096]})
-    stages.generate(cfg, stages.Paths(workdir))
+    stages.generate(cfg, Paths(workdir))
     with pytest.raises(ConfigError, match=r"sweep.batch_sizes \[4096\] are larger than the train split \(420 rows\)"):
-        run_sweep(cfg, stages.Paths(workdir))
+        run_sweep(cfg, Paths(workdir))
     assert not (workdir / "sweep").exists() and not (workdir / "reports").exists()
 
 
@@ -211,8 +213,8 @@ def test_killed_sweep_resumes_without_redoing_finished_experiments_and_counts_bo
 def test_parallel_sweep_runs_experiments_in_processes_without_tracking_collisions(workdir: Path) -> None:
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri}, sweep={"parallel": 2, "seeds": [0, 1]})
-    stages.generate(cfg, stages.Paths(workdir))
-    run_sweep(cfg, stages.Paths(workdir))
+    stages.generate(cfg, Paths(workdir))
+    run_sweep(cfg, Paths(workdir))
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("sweep-test").experiment_id])
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
@@ -235,7 +237,7 @@ def _runs(uri: str) -> list[Any]:
 def test_rerun_of_a_finished_sweep_changes_nothing(workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri})
-    paths = stages.Paths(workdir)
+    paths = Paths(workdir)
     stages.generate(cfg, paths)
     run_sweep(cfg, paths)
     reports, state = workdir / "reports/sweep", workdir / "sweep/state.json"
@@ -259,7 +261,7 @@ def test_rerun_of_a_finished_sweep_changes_nothing(workdir: Path, caplog: pytest
 def test_resumed_sweep_reports_totals_over_every_experiment(workdir: Path) -> None:
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri})
-    paths = stages.Paths(workdir)
+    paths = Paths(workdir)
     stages.generate(cfg, paths)
     first = run_sweep(cfg, paths)
     experiments = workdir / "sweep/experiments"
@@ -298,7 +300,7 @@ def test_experiment_whose_run_finished_is_not_trained_again_without_its_result_j
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     sweep_params = {"batch_sizes": [16, 32], "parallel": parallel, "seeds": seeds}
     cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri}, sweep=sweep_params)
-    paths = stages.Paths(workdir)
+    paths = Paths(workdir)
     stages.generate(cfg, paths)
     first = run_sweep(cfg, paths)
     experiments = workdir / "sweep/experiments"
@@ -440,7 +442,7 @@ def test_an_experiment_whose_end_the_server_missed_keeps_no_result_and_its_next_
     monkeypatch.setattr(outage, "FINAL_WAIT_S", 1.0)  # the end's wait for the server, 30 s by default
     with mlflow_on_postgres(workdir) as server:
         cfg = tiny_config(tracking={"enabled": True, "tracking_uri": server.uri, "experiment": "missed"})
-        paths = stages.Paths(workdir)
+        paths = Paths(workdir)
         stages.generate(cfg, paths)
         client = MlflowClient(server.uri)
         parent = client.create_run(client.create_experiment("missed")).info.run_id
@@ -454,19 +456,19 @@ def test_an_experiment_whose_end_the_server_missed_keeps_no_result_and_its_next_
 
         monkeypatch.setattr(scoring, "score", scored_then_the_server_dies)
         with pytest.raises(tracking.TrackingUnavailable, match=r"lacks the end of the run \(FINISHED\)"):
-            experiment.train_and_score(cfg, exp, paths, parent)
-        assert not (experiment.experiment_paths(paths, exp).outputs / "result.json").exists()
+            experiment.train_and_score(Lane(cfg, paths, parent), exp)
+        assert not (folder_of(paths, exp).outputs / "result.json").exists()
 
         monkeypatch.setattr(scoring, "score", real)
         server.start()
-        row = experiment.train_and_score(cfg, exp, paths, parent)
+        row = experiment.train_and_score(Lane(cfg, paths, parent), exp)
         runs = client.search_runs([client.get_experiment_by_name("missed").experiment_id],
                                   f"tags.mlflow.parentRunId = '{parent}'")  # fmt: skip
         assert sorted(r.info.status for r in runs) == ["FINISHED", "KILLED"]
         (finished,) = [r for r in runs if r.info.status == "FINISHED"]
         assert finished.info.run_id == row["run_id"]
         (workdir / "got").mkdir()
-        stored = client.download_artifacts(row["run_id"], experiment.RESULT_ARTIFACT, str(workdir / "got"))
+        stored = client.download_artifacts(row["run_id"], scoring.RESULT_ARTIFACT, str(workdir / "got"))
         assert json.loads(Path(stored).read_text()) == json.loads(
-            (experiment.experiment_paths(paths, exp).outputs / "result.json").read_text()
+            (folder_of(paths, exp).outputs / "result.json").read_text()
         )

@@ -257,13 +257,13 @@ def test_a_tracking_uri_with_a_login_in_it_is_refused_without_showing_it() -> No
 def test_a_tls_address_without_dask_tls_config_is_one_line_naming_the_variables(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from batchlab.sweep import cluster
+    from batchlab.sweep import preflight
 
     for name in ("PREFECT_API_URL", *TLS_VARS):
         monkeypatch.delenv(name, raising=False)
     cfg = parse_config(merge(TINY, {"sweep": {**SWEEP, "dask_address": "tls://127.0.0.1:9"}}))
-    with pytest.raises(cluster.DaskUnavailable) as refused:
-        cluster.preflight(cfg)
+    with pytest.raises(preflight.DaskUnavailable) as refused:
+        preflight.preflight(cfg)
     assert str(refused.value).startswith("the Dask scheduler at tls://127.0.0.1:9 takes TLS clients only")
     assert all(name in str(refused.value) for name in TLS_VARS)
 

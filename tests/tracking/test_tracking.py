@@ -20,6 +20,7 @@ from mlflow import MlflowClient
 
 from batchlab import stages, tracking
 from batchlab.config import Config, TrackingConfig
+from batchlab.paths import Paths
 from tests.support import (
     WAIT_S,
     MlflowServer,
@@ -42,7 +43,7 @@ def _uri(tmp_path: Path) -> str:
 
 
 def _pipeline(cfg: Config, root: Path) -> str:
-    paths = stages.Paths(root)
+    paths = Paths(root)
     stages.generate(cfg, paths)
     info = stages.train(cfg, paths)
     stages.evaluate(cfg, paths)

@@ -15,6 +15,7 @@ from scipy.optimize import brentq
 
 from batchlab.config import ConfigError
 from batchlab.data import Dataset
+from batchlab.paths import Paths
 from batchlab.training.adaptive import BatchSchedule, gain_of_growing
 from batchlab.training.strategy import Strategy
 from batchlab.training.train import fit
@@ -223,8 +224,8 @@ def test_the_studys_adaptive_row_is_scipys_paired_test_of_the_result_rows(tmp_pa
         sweep={"batch_sizes": [8, 32, 128], "seeds": [0, 1, 2], "epochs": 6, "adaptive": True},
         train={"adapt_every_steps": 10},
     )
-    stages.generate(cfg, stages.Paths(tmp_path))
-    run_sweep(cfg, stages.Paths(tmp_path))
+    stages.generate(cfg, Paths(tmp_path))
+    run_sweep(cfg, Paths(tmp_path))
     rows = [json.loads(p.read_text()) for p in sorted((tmp_path / "sweep/experiments").glob("*/result.json"))]
     adaptive = [r for r in rows if r["adaptive"]]
     assert [r["name"] for r in adaptive] == ["adaptive-seed0", "adaptive-seed1", "adaptive-seed2"]
@@ -264,15 +265,15 @@ def test_the_studys_adaptive_row_is_scipys_paired_test_of_the_result_rows(tmp_pa
 
 
 def test_the_studys_adaptive_cap_is_the_largest_batch_within_the_memory_budget(tiny_dataset: Dataset) -> None:
-    from batchlab.sweep import experiment
+    from batchlab.sweep import plan
 
     cfg = tiny_config(sweep={"batch_sizes": [8, 32, 128], "adaptive": True})
     n_train = tiny_dataset.train.y.shape[0]
     shape = (tiny_dataset.input_shape, tiny_dataset.n_classes, tiny_dataset.vocab)
-    mib = {b: experiment._step_mib(cfg, b, n_train, shape) for b in (8, 32, 128)}
+    mib = {b: plan._step_mib(cfg, b, n_train, shape) for b in (8, 32, 128)}
     assert mib[8] < mib[32] < mib[128]
     for budget, cap in (((mib[32] + mib[128]) / 2, 32), (mib[128] * 2, 128), (mib[8] / 2, 8)):
         budgeted = tiny_config(sweep={"batch_sizes": [8, 32, 128], "adaptive": True, "memory_budget_mb": budget})
-        planned = [e for e in experiment.plan(budgeted, n_train, tiny_dataset) if e.adaptive]
+        planned = [e for e in plan.plan(budgeted, n_train, tiny_dataset) if e.adaptive]
         assert {e.max_batch_size for e in planned} == {cap} and {e.batch_size for e in planned} == {8}
-        assert experiment.experiment_config(budgeted, planned[0]).train.max_batch_size == cap
+        assert plan.experiment_config(budgeted, planned[0]).train.max_batch_size == cap

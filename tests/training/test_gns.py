@@ -16,6 +16,7 @@ from batchlab import stages
 from batchlab.config import Config, load_config
 from batchlab.data import Dataset, build
 from batchlab.data import load as load_data
+from batchlab.paths import Paths
 from batchlab.training import gns, gns_probes
 from batchlab.training.gns import NoiseScale
 from batchlab.training.gns_exact import exact_noise_scale
@@ -249,7 +250,7 @@ def test_train_stage_writes_val_curve_csv_and_logs_undefined_noise_scale_to_mlfl
     # 4 epochs of 13 steps, the first shorter than the default period (271): gns.b_simple is NaN there
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     cfg = tiny_config(train={"eval_every_steps": 10}, tracking={"enabled": True, "tracking_uri": uri})
-    paths = stages.Paths(workdir)
+    paths = Paths(workdir)
     stages.generate(cfg, paths)
     info = stages.train(cfg, paths)
     with (workdir / "reports/val_curve.csv").open() as f:

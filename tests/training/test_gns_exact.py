@@ -12,6 +12,7 @@ from torch import nn
 from batchlab import atomic, cli, data, stages
 from batchlab.audit import noise
 from batchlab.model import load_model
+from batchlab.paths import Paths
 from batchlab.training.gns_exact import exact_noise_scale
 from tests.support import tiny_config, write_params
 
@@ -81,7 +82,7 @@ def test_it_leaves_the_weights_the_mode_and_the_global_rng_as_they_were() -> Non
 def test_noise_scale_command_reports_the_exact_value_of_the_saved_model(
     workdir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    paths = stages.Paths(workdir)
+    paths = Paths(workdir)
     # the probe reads once, at step 108 of 182 (later on, |G|² is below the probe's mask noise here)
     cfg = tiny_config(model={"dropout": 0.2}, train={"epochs": 14, "gns_every": 107})
     write_params(workdir, cfg.model_dump())

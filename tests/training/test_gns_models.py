@@ -1,5 +1,5 @@
 """The study's noise-scale reading against the exact value for the CNN and the transformer, as a
-sweep trains and the report reads it (sweep/experiment.py's probe period, analysis.reading_at)."""
+sweep trains and the report reads it (sweep/plan.py's probe period, analysis.reading_at)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch.nn.utils import vector_to_parameters
 from batchlab.data import build
 from batchlab.model import build_model
 from batchlab.study import analysis
-from batchlab.sweep.experiment import experiment_config, plan
+from batchlab.sweep.plan import experiment_config, plan
 from batchlab.training.gns_exact import exact_noise_scale
 from batchlab.training.strategy import Strategy
 from batchlab.training.train import fit, split_tensors

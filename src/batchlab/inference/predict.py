@@ -20,10 +20,7 @@ import numpy as np
 
 from batchlab import atomic
 from batchlab.data import DataError
-from batchlab.inference.readers import CHUNK_ROWS as CHUNK_ROWS
-from batchlab.inference.readers import PREDICTED as PREDICTED
-from batchlab.inference.readers import proba_column as proba_column
-from batchlab.inference.readers import read_chunks as read_chunks
+from batchlab.inference.readers import CHUNK_ROWS, PREDICTED, proba_column, read_chunks
 
 METADATA_KEY = "batchlab.preprocessing"  # the ONNX metadata_props entry; tracking/onnx_predictor.py reads it too
 

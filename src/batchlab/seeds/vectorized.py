@@ -36,6 +36,7 @@ from batchlab.seeds.stacked import StackedModels
 from batchlab.tracking import Tracker
 from batchlab.training.checkpoint import Checkpoint, TrainState
 from batchlab.training.epochs import (
+    EpochSteps,
     NonFiniteError,
     Scored,
     check_finite,
@@ -123,14 +124,14 @@ def fit_seeds(
         orders = torch.stack([epoch_order(s.cfg.train.seed, epoch, n_train) for s in seeds]).to(strategy.device)
         for seed in seeds:
             seed.dropout.manual_seed(dropout_seed(seed.cfg.train.seed, epoch, strategy.rank))
-        losses, norms, scored, wall = _epoch(tc, epoch, orders, group, optimizer, (x_train, y_train), (x_val, y_val))
+        ran = _epoch(tc, epoch, orders, group, optimizer, (x_train, y_train), (x_val, y_val))
         active = [s for s in seeds if s.active]
-        seconds = wall / len(active)  # shared by the seeds it trained: their epoch_seconds add up to the wall time
+        seconds = ran.seconds / len(active)  # shared by the seeds it trained: their epoch_seconds add up to the wall
         logits = group.predict(x_val)
-        step_losses, step_norms = torch.stack(losses).view(-1, len(seeds)), torch.stack(norms)
+        step_losses, step_norms = torch.stack(ran.losses).view(-1, len(seeds)), torch.stack(ran.norms)
         for i, seed in enumerate(seeds):
             if seed.active:
-                mine = [(n, v[i], None if w is None else w[i]) for n, v, w in scored]
+                mine = [(n, v[i], None if w is None else w[i]) for n, v, w in ran.scored]
                 figures = _EpochFigures(step_losses[:, i], step_norms[:, i], mine, seconds)
                 _finish_epoch(seed, epoch, figures, logits[i], y_val, optimizer.lr, dataset, strategy)
         optimizer.save_to([seed.trainee for seed in seeds])
@@ -150,15 +151,13 @@ def _epoch(
     optimizer: SeedOptimizer,
     train: tuple[torch.Tensor, torch.Tensor],
     val: tuple[torch.Tensor, torch.Tensor],
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Scored], float]:
+) -> EpochSteps:
     """One epoch's steps of every seed at once, as `fit`'s epoch: the losses (S per step, seed by
     seed), the norms, the val losses scored within it (with every seed's weights, [S, P], under
     train.curve_weights), and its seconds without that scoring."""
     (x_train, y_train), (x_val, y_val) = train, val
     steps = steps_per_epoch(y_train.shape[0], tc.batch_size)
-    losses: list[torch.Tensor] = []
-    norms: list[torch.Tensor] = []
-    scored: list[Scored] = []
+    done = EpochSteps()
     scoring_seconds = 0.0
     started = time.perf_counter()
     for step in range(steps):
@@ -166,17 +165,18 @@ def _epoch(
         # index_select: the same rows as x_train[rows], at a fraction of advanced indexing's cost
         inputs = x_train.index_select(0, rows.flatten()).view(*rows.shape, *x_train.shape[1:])
         targets = y_train.index_select(0, rows.flatten()).view(rows.shape)
-        losses += group.backward(inputs, targets)
-        norms.append(group.measure())
-        optimizer.step(group.stepping(norms[-1]))
-        done = epoch * steps + step + 1
-        if tc.eval_every_steps and done % tc.eval_every_steps == 0:
+        done.losses += group.backward(inputs, targets)
+        done.norms.append(group.measure())
+        optimizer.step(group.stepping(done.norms[-1]))
+        at = epoch * steps + step + 1
+        if tc.eval_every_steps and at % tc.eval_every_steps == 0:
             scoring = time.perf_counter()
             logits = group.predict(x_val)
             weights = group.flat_weights() if tc.curve_weights else None
-            scored.append((done, torch.stack([F.cross_entropy(out, y_val) for out in logits]), weights))
+            done.scored.append((at, torch.stack([F.cross_entropy(out, y_val) for out in logits]), weights))
             scoring_seconds += time.perf_counter() - scoring
-    return losses, norms, scored, time.perf_counter() - started - scoring_seconds
+    done.seconds = time.perf_counter() - started - scoring_seconds
+    return done
 
 
 def _restore(
@@ -283,8 +283,3 @@ def model_trains_apart(cfg: Config, dataset: Dataset, strategy: Strategy, exampl
 def epochs_to_resume(cfgs: list[Config], dataset: Dataset, checkpoints: list[Path]) -> list[int]:
     """Each seed's resumable epoch, so a caller can group seeds that start from the same one."""
     return [resumable_epoch(path, fingerprint(cfg, dataset)) for cfg, path in zip(cfgs, checkpoints, strict=True)]
-
-
-def trains_together(cfg: Config) -> bool:
-    """Whether this sweep trains the seeds of a batch size together."""
-    return cfg.sweep.vectorize_seeds and len(cfg.sweep.seeds) > 1 and seeds_train_apart(cfg) is None

@@ -59,7 +59,7 @@ def reading_at(result: dict[str, Any], step: int) -> tuple[float, int | None]:
     """The noise-scale reading the study reads at `step`, and the step whose weights it measured:
     the latest probe's that measured the weights at or before `step` (its reading completes a
     window later, so it is read further along the curve). A sweep's probe measures a val point's
-    weights (sweep/experiment.py), so the exact value is taken at the same weights (sweep/truth.py).
+    weights (sweep/plan.py), so the exact value is taken at the same weights (sweep/truth.py).
     A result from before that column: the reading complete at `step`, its weights unknown."""
     measured = result.get("curve_b_simple_measured_at")
     if not measured:

@@ -2,11 +2,12 @@
 
 truth       the exact noise scale at the target, from the weights experiments keep
 scoring     an experiment's result row: test scores, speed, memory, val curve, batch schedule
-experiment  one experiment: its config, folder, key and training (sweep.adaptive's too)
 probes      what an experiment measures besides training: solo speed, step memory
+plan        every experiment and its identity (config, key, folder, tags); Lane, Work
+experiment  one experiment run: found finished, or trained, measured, scored and recorded
 state       a sweep's resume state (state.json)
 lock        one sweep at a time per folder
-groups      the seeds of a batch size trained together as one task; lanes
+groups      whether seeds train together, decided once; a batch size's seeds as one task; lanes
 preflight   a Dask sweep's checks before anything starts: store, Prefect, scheduler, TLS
 stop        an interrupted or failed Dask sweep stops its tasks running on the workers
 cluster     the experiments as Prefect tasks on a Dask cluster

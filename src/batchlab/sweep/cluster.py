@@ -1,7 +1,7 @@
 """The sweep on a dask.distributed cluster: one Prefect task run per experiment on a DaskTaskRunner
 (per seed group where the local executor trains a batch size's seeds together: groups.py).
 
-Each task runs the very function the local executor runs (groups.train_group), so results,
+Each task runs the very function the local executor runs (groups.train_work), so results,
 MLflow child runs, resume and the report are the same. Before training, a task checks that its
 worker runs the same batchlab (version and source) on the same data (content hash), fetching the
 data with `dvc pull` when the worker's checkout has none. A worker killed mid-experiment: the
@@ -25,7 +25,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +34,11 @@ from prefect.cache_policies import NONE
 from prefect.futures import as_completed
 
 import batchlab
-from batchlab import atomic, data, orchestration, stages, tracking
-from batchlab.config import Config
+from batchlab import atomic, data, orchestration, tracking
+from batchlab.paths import Paths
 from batchlab.sweep import groups, progress, stop
-from batchlab.sweep.experiment import Experiment, code_hash
-from batchlab.sweep.preflight import DaskUnavailable as DaskUnavailable
-from batchlab.sweep.preflight import PrefectRefused as PrefectRefused
-from batchlab.sweep.preflight import PrefectUnavailable
-from batchlab.sweep.preflight import preflight as preflight
+from batchlab.sweep.plan import Experiment, Lane, Results, Work, code_hash, folder_of
+from batchlab.sweep.preflight import DaskUnavailable, PrefectUnavailable
 from batchlab.training import threads
 
 # the worker's checkout of the repo, when it is not at the path the sweep was started from
@@ -61,17 +58,17 @@ class Expected:
     data_hash: str
 
 
-def expected(paths: stages.Paths) -> Expected:
+def expected(paths: Paths) -> Expected:
     return Expected(batchlab.__version__, code_hash(), data.load(paths.data).content_hash())
 
 
-def worker_paths(root: str, outputs: str) -> stages.Paths:
+def worker_paths(root: str, outputs: str) -> Paths:
     """The sweep's folders on this worker: its checkout (BATCHLAB_WORKER_ROOT), else the sweep's own path."""
     here = Path(os.environ.get(WORKER_ROOT_ENV) or root)
-    return stages.Paths(root=here, out=here / outputs)
+    return Paths(root=here, out=here / outputs)
 
 
-def _pull_data(paths: stages.Paths) -> None:
+def _pull_data(paths: Paths) -> None:
     """The prepared data from the DVC remote, when this worker's checkout has none."""
     target = os.path.relpath(paths.data, paths.root)
     # this interpreter's dvc: a worker's PATH need not hold the environment it runs in
@@ -84,7 +81,7 @@ def _pull_data(paths: stages.Paths) -> None:
         )
 
 
-def check_worker(want: Expected, paths: stages.Paths) -> None:
+def check_worker(want: Expected, paths: Paths) -> None:
     """This worker runs the sweep's code on the sweep's data, or the task fails saying what differs."""
     if not (paths.data / "dataset.json").is_file():
         _pull_data(paths)
@@ -116,47 +113,33 @@ def _worker_threads() -> int:
     retry_condition_fn=orchestration.retry_transient,  # never a WorkerMismatch
     cache_policy=NONE,
 )
-def experiment(
-    cfg: Config,
-    group: list[Experiment],
-    name: str,
-    root: str,
-    outputs: str,
-    parent_run_id: str | None,
-    want: Expected,
-    sweep_id: str,
-) -> dict[str, Any]:
-    """The result rows, by name, of one experiment, or of the seeds of a batch size trained together.
+def experiment(lane: Lane, work: Work, name: str, root: str, outputs: str, want: Expected, sweep_id: str) -> Results:
+    """The result rows, by name, of one experiment, or of the seeds of a batch size trained together
+    (`name`: the task run's). The worker's own folders replace the lane's: `root` (the sweep's checkout)
+    and `outputs` (relative to it) are where they are on the sweep's machine (worker_paths).
     `sweep_id`: what an interrupted sweep names to stop it (stop.py)."""
-    paths = worker_paths(root, outputs)
-    check_worker(want, paths)
+    here = replace(lane, paths=worker_paths(root, outputs))
+    check_worker(want, here.paths)
     threads.limit_cores(_worker_threads())
-    threads.use_threads(threads.sweep_threads(cfg, data.shape(paths.data)))
+    threads.use_threads(threads.sweep_threads(here.cfg, data.shape(here.paths.data)))
     with stop.registered(sweep_id):
-        return groups.train_group(cfg, group, paths, parent_run_id)
+        return groups.train_work(here, work)
 
 
 @flow(name="batchlab-sweep-dask", validate_parameters=False)
-def on_cluster(
-    cfg: Config,
-    todo: list[Experiment],
-    paths: stages.Paths,
-    parent_run_id: str | None,
-    want: Expected,
-    sweep_id: str,
-) -> dict[str, dict[str, Any]]:
+def on_cluster(lane: Lane, todo: list[Experiment], want: Expected, sweep_id: str) -> dict[str, dict[str, Any]]:
     """Submit every task at once; the scheduler places them on free worker threads. A task is one
     experiment, or the seeds of one batch size trained together, as the local executor groups them."""
+    paths = lane.paths
     root, outputs = str(paths.root.resolve()), os.path.relpath(paths.outputs, paths.root)
-    futures = []
-    for group in groups.groups(cfg, todo, paths):
-        name = "+".join(exp.name for exp in group)
-        futures.append(experiment.submit(cfg, group, name, root, outputs, parent_run_id, want, sweep_id))
+    futures = [experiment.submit(lane, work, work.name, root, outputs, want, sweep_id)
+               for work in groups.groups(lane.cfg, todo, paths)]  # fmt: skip
+    by_name = {exp.name: exp for exp in todo}
     results: dict[str, dict[str, Any]] = {}
     for done in as_completed(futures):
         for name, result in done.result().items():
             # kept here too: a resume finds it even when the workers' folders are not this one
-            atomic.write_json(paths.outputs / "sweep" / "experiments" / name / "result.json", result)
+            atomic.write_json(folder_of(paths, by_name[name]).outputs / "result.json", result)
             results[name] = result
         progress.finished(done.result())
     return results
@@ -195,9 +178,7 @@ def _without_tracebacks_of(lost: tuple[type[BaseException], ...]) -> Iterator[No
             handler.removeFilter(quiet)
 
 
-def run(
-    cfg: Config, todo: list[Experiment], paths: stages.Paths, parent_run_id: str | None
-) -> dict[str, dict[str, Any]]:
+def run(lane: Lane, todo: list[Experiment]) -> dict[str, dict[str, Any]]:
     """The experiments still to do, one Prefect task run each on the cluster at sweep.dask_address."""
     from distributed.client import FutureCancelledError
     from prefect_dask import DaskTaskRunner
@@ -205,10 +186,12 @@ def run(
     if not todo:
         return {}
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per Prefect API call otherwise
+    cfg = lane.cfg
     address = str(cfg.sweep.dask_address)
     # the workers log where the sweep's runner would: its resolved URI, not their environment's default
     uri = tracking.resolve_uri(cfg.tracking)
     cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"tracking_uri": uri})})
+    lane = replace(lane, cfg=cfg)
     runner = DaskTaskRunner(address=address, client_kwargs={"set_as_default": False})
     lost = (FutureCancelledError, OSError)  # OSError: distributed's CommClosedError, a refused reconnect
     sweep_id = stop.new_id()
@@ -216,7 +199,7 @@ def run(
         # DaskTaskRunner is a TaskRunner of its own future type, which with_options does not spell
         flow_ = on_cluster.with_options(task_runner=runner)  # type: ignore[arg-type]
         with _without_tracebacks_of(lost):
-            return flow_(cfg, todo, paths, parent_run_id, expected(paths), sweep_id)
+            return flow_(lane, todo, expected(lane.paths), sweep_id)
     except lost as err:
         raise DaskUnavailable(
             f"lost the Dask scheduler at {address} mid-sweep ({type(err).__name__}); the finished experiments "

@@ -1,6 +1,6 @@
 """Where a sweep's experiments run, decided once per sweep (`sweep.executor`).
 
-    local  `sweep.parallel` lanes on this machine, each experiment in turn (experiment.run_experiment)
+    local  `sweep.parallel` lanes on this machine, each work item in turn (groups.run_work)
     dask   one Prefect task run per experiment on a dask.distributed cluster (cluster.py)
 
 `for_sweep` checks, before anything runs, what the executor needs; `run` takes the experiments
@@ -23,13 +23,11 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from batchlab.config import Config
-from batchlab.paths import Paths
 from batchlab.sweep import groups, progress
-from batchlab.sweep.experiment import Experiment
+from batchlab.sweep.plan import Experiment, Lane, Results
 
-Results = dict[str, dict[str, Any]]
 # runs the experiments still to do and returns their result rows by name
-Runner = Callable[[Config, list[Experiment], Paths, str | None], Results]
+Runner = Callable[[Lane, list[Experiment]], Results]
 # a Ctrl-C at a terminal reaches the experiments' processes too: they end on their own within this
 ON_THEIR_OWN_S = 5.0
 # an experiment's process told to stop ends its MLflow run KILLED and keeps its checkpoint within this
@@ -42,20 +40,20 @@ class Executor:
     run: Runner
 
 
-def run_local(cfg: Config, todo: list[Experiment], paths: Paths, parent_run_id: str | None) -> Results:
-    """`sweep.parallel` groups at once on this machine (each in its own process when above one)."""
+def run_local(lane: Lane, todo: list[Experiment]) -> Results:
+    """`sweep.parallel` work items at once on this machine (each in its own process when above one)."""
     # the seeds of one batch size and lr train together (groups.py); alone where they cannot
-    together = groups.groups(cfg, todo, paths)
+    work = groups.groups(lane.cfg, todo, lane.paths)
     results: Results = {}
-    if cfg.sweep.parallel == 1:  # in this thread: Ctrl-C and SIGTERM interrupt the training itself
-        for group in together:
-            done = groups.run_group(cfg, group, paths, parent_run_id)
+    if lane.cfg.sweep.parallel == 1:  # in this thread: Ctrl-C and SIGTERM interrupt the training itself
+        for item in work:
+            done = groups.run_work(lane, item)
             results.update(done)
             progress.finished(done)
         return results
     others = set(multiprocessing.active_children())  # not the lanes': a stop leaves them be
-    pool = ThreadPoolExecutor(max_workers=cfg.sweep.parallel)
-    futures = [pool.submit(groups.run_group, cfg, group, paths, parent_run_id) for group in together]
+    pool = ThreadPoolExecutor(max_workers=lane.cfg.sweep.parallel)
+    futures = [pool.submit(groups.run_work, lane, item) for item in work]
     try:
         for future in as_completed(futures):
             done = future.result()
@@ -97,8 +95,8 @@ def for_sweep(cfg: Config, local: Runner = run_local) -> Executor:
     """The executor sweep.executor names, once its preconditions hold (each failure is one line).
     `local`: how this caller runs experiments here (the sweep flow: as Prefect tasks in lanes)."""
     if cfg.sweep.executor == "dask":
-        from batchlab.sweep import cluster
+        from batchlab.sweep import cluster, preflight
 
-        cluster.preflight(cfg)
+        preflight.preflight(cfg)
         return Executor("dask", cluster.run)
     return Executor("local", local)

@@ -14,10 +14,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from batchlab import atomic, data, stages, tracking
+from batchlab import atomic, data, tracking
 from batchlab.config import Config
+from batchlab.paths import Paths
 from batchlab.study import analysis, report
-from batchlab.sweep import executors, experiment, progress, truth
+from batchlab.sweep import executors, experiment, plan, progress, truth
 from batchlab.sweep import state as sweep_state
 from batchlab.sweep.lock import exclusive
 from batchlab.sweep.state import Sweep
@@ -25,17 +26,17 @@ from batchlab.sweep.state import Sweep
 log = logging.getLogger(__name__)
 
 
-def prepare(cfg: Config, paths: stages.Paths) -> Sweep:
+def prepare(cfg: Config, paths: Paths) -> Sweep:
     """Plan the experiments and find those an earlier sweep already finished. Call it holding `exclusive`."""
     dataset = data.load(paths.data)
-    experiments = experiment.plan(cfg, dataset.train.y.shape[0], dataset)
+    experiments = plan.plan(cfg, dataset.train.y.shape[0], dataset)
     data_hash = dataset.content_hash()
     key = sweep_key(cfg, data_hash)
     state = sweep_state.load(paths, key)
     finished = {}
     for exp in experiments:
-        result_path = paths.outputs / "sweep" / "experiments" / exp.name / "result.json"
-        done = experiment.read_result(result_path, experiment.fingerprint(cfg, exp, data_hash))
+        result_path = plan.folder_of(paths, exp).outputs / "result.json"
+        done = experiment.read_result(result_path, plan.fingerprint(cfg, exp, data_hash))
         if done:
             finished[exp.name] = done
     earlier = sweep_state.earlier_wall_seconds(state, finished)
@@ -62,11 +63,11 @@ def sweep_key(cfg: Config, data_hash: str) -> str:
     out), the data and the code."""
     settings = cfg.model_dump(include={"model", "train", "sweep"}, exclude={"sweep": PLACEMENT})
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    return f"{digest}-{data_hash}-{experiment.code_hash()}"
+    return f"{digest}-{data_hash}-{plan.code_hash()}"
 
 
 @contextlib.contextmanager
-def parent_run(cfg: Config, paths: stages.Paths, sweep: Sweep) -> Iterator[tracking.Tracker]:
+def parent_run(cfg: Config, paths: Paths, sweep: Sweep) -> Iterator[tracking.Tracker]:
     """The sweep's parent MLflow run, re-opened when resuming; none when the sweep is up to date
     (nothing new to log)."""
     if sweep.up_to_date:
@@ -89,7 +90,7 @@ def parent_run(cfg: Config, paths: stages.Paths, sweep: Sweep) -> Iterator[track
 
 
 def finish(
-    cfg: Config, paths: stages.Paths, sweep: Sweep, results: dict[str, dict[str, Any]], parent: tracking.Tracker
+    cfg: Config, paths: Paths, sweep: Sweep, results: dict[str, dict[str, Any]], parent: tracking.Tracker
 ) -> dict[str, Any]:
     """Analyse every experiment's result, write the report and log it on the parent run.
 
@@ -100,7 +101,7 @@ def finish(
     folder = paths.reports / "sweep"
     dataset = data.load(paths.data)
     target, _ = analysis.target_of(analysis.pick_lrs(ordered)[0], cfg.sweep.target_val_loss)
-    folders = {e.name: experiment.experiment_paths(paths, e) for e in sweep.experiments}
+    folders = {e.name: plan.folder_of(paths, e) for e in sweep.experiments}
     scored = truth.with_exact(cfg, dataset, folders, ordered, target)  # `ordered` stays the stored rows
     n_test = int(dataset.test.y.shape[0])
     result = analysis.analyse(scored, n_test, cfg.sweep.target_val_loss, cfg.sweep.memory_budget_mb)
@@ -148,22 +149,20 @@ def description(study: analysis.Study, markdown: str, parent: tracking.Tracker) 
     return f"{report.headline(study)}\n{compare}{markdown}"
 
 
-def run_counted(
-    executor: executors.Executor, cfg: Config, sweep: Sweep, paths: stages.Paths, parent_run_id: str | None
-) -> dict[str, dict[str, Any]]:
+def run_counted(executor: executors.Executor, lane: plan.Lane, sweep: Sweep) -> dict[str, dict[str, Any]]:
     """The experiments still to do, through `executor`, counted done / total with the time left."""
     if not sweep.todo:
-        return executor.run(cfg, sweep.todo, paths, parent_run_id)
+        return executor.run(lane, sweep.todo)
     with progress.counting(len(sweep.experiments), len(sweep.experiments) - len(sweep.todo)):
-        return executor.run(cfg, sweep.todo, paths, parent_run_id)
+        return executor.run(lane, sweep.todo)
 
 
-def run_sweep(cfg: Config, paths: stages.Paths) -> dict[str, Any]:
+def run_sweep(cfg: Config, paths: Paths) -> dict[str, Any]:
     """Run every experiment not already finished, then write the trade-off report."""
     executor = executors.for_sweep(cfg)  # its checks fail before anything runs
     with exclusive(paths):
         sweep = prepare(cfg, paths)
         with parent_run(cfg, paths, sweep) as parent:
-            results = run_counted(executor, cfg, sweep, paths, parent.run_id)
+            results = run_counted(executor, plan.Lane(cfg, paths, parent.run_id), sweep)
             summary = finish(cfg, paths, sweep, results, parent)
     return summary

@@ -11,11 +11,12 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from batchlab import data, evaluate, stages
+from batchlab import data, evaluate
 from batchlab.tracking import Tracker
+from batchlab.training.tracked import Trained
 
 if TYPE_CHECKING:
-    from batchlab.sweep.experiment import Experiment
+    from batchlab.sweep.plan import Experiment
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ SUMMARY = {
 def score(
     exp: Experiment,
     key: str,
-    trained: stages.Trained,
+    trained: Trained,
     dataset: data.Dataset,
     measured: dict[str, float],
     seconds: float,

@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import vector_to_parameters
 
-from batchlab import atomic, data, stages
+from batchlab import atomic, data
 from batchlab.config import Config
 from batchlab.model import build_model, save_torch
+from batchlab.paths import Paths
 from batchlab.study import analysis, critical
 from batchlab.training.gns_exact import batch_coupled, exact_noise_scale
 from batchlab.training.train import split_tensors
@@ -30,7 +31,7 @@ from batchlab.training.train import split_tensors
 EXACT = "exact_noise.json"
 
 
-def trim(folder: stages.Paths, curve_val_loss: list[float], target_val_loss: float | None) -> None:
+def trim(folder: Paths, curve_val_loss: list[float], target_val_loss: float | None) -> None:
     """Keep the weights of the points a target can fall on: up to the first at or below
     sweep.target_val_loss, or, for the automatic target (never below this curve's lowest val loss
     plus the margin), up to the first at or below that."""
@@ -40,7 +41,7 @@ def trim(folder: stages.Paths, curve_val_loss: list[float], target_val_loss: flo
         _keep_first(folder, torch.load(folder.curve_weights, weights_only=True), last + 1)
 
 
-def _keep_first(folder: stages.Paths, saved: dict[str, Any], points: int) -> None:
+def _keep_first(folder: Paths, saved: dict[str, Any], points: int) -> None:
     """Keep the weights `saved` (the folder's, loaded) of the first `points` val points only."""
     path = folder.curve_weights
     if len(saved["steps"]) > points:
@@ -49,7 +50,7 @@ def _keep_first(folder: stages.Paths, saved: dict[str, Any], points: int) -> Non
 
 
 def exact_at(
-    cfg: Config, folder: stages.Paths, dataset: data.Dataset, step: int, key: str, trim: bool = True
+    cfg: Config, folder: Paths, dataset: data.Dataset, step: int, key: str, trim: bool = True
 ) -> dict[str, float] | None:
     """The exact figures at `step` of the experiment keyed `key` whose outputs are in `folder`
     (None: its weights there were not kept). With `trim` (`step` is the target's) the weights after
@@ -78,7 +79,7 @@ def exact_at(
 
 
 def with_exact(
-    cfg: Config, dataset: data.Dataset, folders: dict[str, stages.Paths], results: list[dict[str, Any]], target: float
+    cfg: Config, dataset: data.Dataset, folders: dict[str, Paths], results: list[dict[str, Any]], target: float
 ) -> list[dict[str, Any]]:
     """The results, each that kept its weights with `gns_b_simple_exact_at_target` and
     `gns_b_simple_exact_at_reading`, the exact value at the weights the study's reading there

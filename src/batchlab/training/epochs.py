@@ -5,7 +5,7 @@ run, the epoch's statistics from one host sync, the non-finite guard, the histor
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -115,6 +115,20 @@ def likely_cause(dataset: Dataset, strategy: Strategy) -> str:
 
 # a val point scored within an epoch: (global step, val loss, the flat weights with train.curve_weights)
 Scored = tuple[int, torch.Tensor, torch.Tensor | None]
+
+
+@dataclass
+class EpochSteps:
+    """One epoch's optimizer steps, handed to its statistics: the per-micro-batch losses, the
+    per-step gradient norms, the val losses scored within it (Scored: the global step, the loss, the
+    weights under train.curve_weights), its seconds without that scoring, and, under the adaptive
+    batch, the noise scale read at the batch's decisions within it."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    norms: list[torch.Tensor] = field(default_factory=list)
+    scored: list[Scored] = field(default_factory=list)
+    seconds: float = 0.0
+    path: Trajectory = field(default_factory=lambda: Trajectory([], []))
 
 
 def val_curve_points(

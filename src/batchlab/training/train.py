@@ -23,8 +23,8 @@ from batchlab.tracking import Tracker
 from batchlab.training.adaptive import Adapting, BatchSchedule
 from batchlab.training.checkpoint import Checkpoint, Trainee, TrainState
 from batchlab.training.epochs import (
+    EpochSteps,
     NonFiniteError,
-    Scored,
     check_finite,
     dropout_seed,
     epoch_order,
@@ -33,7 +33,7 @@ from batchlab.training.epochs import (
     likely_cause,
     val_curve_points,
 )
-from batchlab.training.gns import NoiseScale, Trajectory
+from batchlab.training.gns import NoiseScale
 from batchlab.training.optim import make_optimizer, make_schedule, steps_per_epoch
 from batchlab.training.strategy import Strategy
 from batchlab.validate import batch_fits
@@ -163,18 +163,18 @@ def fit(
         torch.manual_seed(dropout_seed(tc.seed, epoch, strategy.rank))
         examples_before = state.examples
         val = (x_val, y_val)
-        losses, norms, scored, seconds, path = _epoch(tc, order, net, trainee, strategy, train, val, state, adapt)
+        ran = _epoch(tc, order, net, trainee, strategy, train, val, state, adapt)
         # one host sync per epoch: the step's figures stay on the device until here
-        stats = epoch_stats(torch.stack(losses), torch.stack(norms), strategy, state.nonfinite_run)
+        stats = epoch_stats(torch.stack(ran.losses), torch.stack(ran.norms), strategy, state.nonfinite_run)
         examples_at = batches.examples_at if batches else lambda step: step * tc.batch_size
-        state.val_curve += val_curve_points(scored, path.then(noise.settle()), examples_at)
-        kept += [(step, weights.cpu()) for step, _, weights in scored if weights is not None]
+        state.val_curve += val_curve_points(ran.scored, ran.path.then(noise.settle()), examples_at)
+        kept += [(step, weights.cpu()) for step, _, weights in ran.scored if weights is not None]
         state.noise_scale = noise.state_dict()
         check_finite(stats, epoch, tc, dataset, strategy)
         val_logits = predict_logits(trainee.model, x_val, strategy)
         lr = float(trainee.optimizer.param_groups[0]["lr"])
         rows = state.examples - examples_before
-        row = epoch_row(epoch, stats, val_logits, y_val, rows, seconds, lr, strategy, noise)
+        row = epoch_row(epoch, stats, val_logits, y_val, rows, ran.seconds, lr, strategy, noise)
         if batches is not None:  # history.csv's batch at the epoch's end, and the schedule's state
             row["batch_size"], state.batch_schedule = float(batches.batch), batches.state_dict()
         if state.record(row, stats.last_nonfinite_run):
@@ -198,18 +198,13 @@ def _epoch(
     val: tuple[torch.Tensor, torch.Tensor],
     state: TrainState,
     adapt: Adapting | None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Scored], float, Trajectory]:
-    """One epoch's optimizer steps: the per-micro-batch losses, per-step gradient norms, the val
-    losses scored within it (global step, loss, the weights with train.curve_weights), its seconds
-    without that scoring, and the noise scale read at the adaptive batch's decisions within it.
-    Steps take `order`'s rows batch by batch; the rows too few for a whole batch wait for the next
-    epoch's order. `state` counts the steps and examples across epochs and resumes."""
+) -> EpochSteps:
+    """One epoch's optimizer steps (EpochSteps). Steps take `order`'s rows batch by batch; the rows
+    too few for a whole batch wait for the next epoch's order. `state` counts the steps and
+    examples across epochs and resumes."""
     x_train, y_train = train
     net.train()
-    losses: list[torch.Tensor] = []
-    norms: list[torch.Tensor] = []
-    scored: list[Scored] = []
-    path = Trajectory([], [])
+    done = EpochSteps()
     scoring_seconds = 0.0  # kept out of samples_per_s, as the end-of-epoch validation is
     started = time.perf_counter()
     start, batch = 0, adapt.batches.batch if adapt is not None else tc.batch_size
@@ -219,21 +214,22 @@ def _epoch(
             with strategy.autocast():
                 loss = F.cross_entropy(net(inputs), targets)
             strategy.backward(loss, inputs, targets)
-            losses.append(loss.detach())
-        norms.append(strategy.step(trainee.optimizer))
+            done.losses.append(loss.detach())
+        done.norms.append(strategy.step(trainee.optimizer))
         trainee.schedule.step()
         start, state.steps, state.examples = start + batch, state.steps + 1, state.examples + batch
         if tc.eval_every_steps and state.steps % tc.eval_every_steps == 0:
             scoring = time.perf_counter()
             weights = parameters_to_vector(trainee.model.parameters()).detach().clone() if tc.curve_weights else None
             val_loss = F.cross_entropy(predict_logits(trainee.model, val[0], strategy), val[1])
-            scored.append((state.steps, val_loss, weights))
+            done.scored.append((state.steps, val_loss, weights))
             net.train()  # predict_logits left the model in eval mode
             scoring_seconds += time.perf_counter() - scoring
         if adapt is not None and adapt.batches.due(state.steps):
-            path = path.then(adapt.noise.settle())  # a host sync, once per decision
+            done.path = done.path.then(adapt.noise.settle())  # a host sync, once per decision
             batch = adapt.decide(state.steps, state.examples, trainee)
-    return losses, norms, scored, time.perf_counter() - started - scoring_seconds, path
+    done.seconds = time.perf_counter() - started - scoring_seconds
+    return done
 
 
 def _result(

@@ -1,0 +1,209 @@
+"""The sweep's plan: every experiment it trains, each one's identity (its config, key, folder and
+tags), and the work items and lanes they run in.
+
+An experiment is the same model, data, initial weights and epochs at one batch size, lr multiplier
+and seed. Its key (`key_of`: params, data and code) tags its MLflow child run, so a finished
+experiment is never trained twice: not on a resume, not when Dask runs its task again.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batchlab import data
+from batchlab.config import Config, parse_config
+from batchlab.paths import Paths
+from batchlab.sweep import probes
+from batchlab.training.optim import scaled_lr, steps_per_epoch
+from batchlab.validate import batches_fit
+
+
+@dataclass(frozen=True)
+class Experiment:
+    batch_size: int
+    seed: int
+    lr: float
+    epochs: int
+    lr_multiplier: float = 1.0
+    eval_every_steps: int = 0  # score the val split this often: the step that reaches the target
+    curve_weights: bool = False  # keep the weights there: the exact noise scale at the target (truth.py)
+    # probe the noise scale once an epoch: the study reads it at the target, which the cost model's
+    # period (up to 556 steps) passes in most experiments; it costs ~6 s of the default study's training
+    gns_every: int | None = None
+    # sweep.adaptive: train.adaptive_batch from batch_size (the smallest) to max_batch_size (the largest)
+    adaptive: bool = False
+    max_batch_size: int | None = None
+
+    @property
+    def name(self) -> str:
+        lr = "" if self.lr_multiplier == 1.0 else f"-lrx{self.lr_multiplier:g}"
+        return f"{'adaptive' if self.adaptive else f'bs{self.batch_size}'}{lr}-seed{self.seed}"
+
+
+# work items' result rows, by experiment name
+Results = dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Lane:
+    """Where a sweep's experiments train and are recorded: its config, its folders (on this machine
+    or this Dask worker) and its parent MLflow run."""
+
+    cfg: Config
+    paths: Paths
+    parent_run_id: str | None = None
+
+    def folder(self, exp: Experiment) -> Paths:
+        return folder_of(self.paths, exp)
+
+
+def folder_of(paths: Paths, exp: Experiment) -> Paths:
+    """The experiment's own folder for models/, reports/, its checkpoint and result.json."""
+    return Paths(root=paths.root, out=paths.outputs / "sweep" / "experiments" / exp.name)
+
+
+@dataclass(frozen=True)
+class Work:
+    """One task of the sweep: an experiment, or the seeds of one batch size and lr multiplier
+    trained together. `together`: whether this sweep's seeds train together, decided once for the
+    whole sweep (groups.groups); then every fixed experiment's speed is measured alone
+    (probes.solo_speed), one trained by itself (resumed at another epoch) included, so that all
+    compare, and otherwise read from its own epochs."""
+
+    experiments: tuple[Experiment, ...]
+    together: bool
+
+    @property
+    def name(self) -> str:
+        return "+".join(exp.name for exp in self.experiments)
+
+    def __len__(self) -> int:
+        return len(self.experiments)
+
+
+@dataclass(frozen=True)
+class Keyed:
+    """An experiment with its config and key, each built once: the run's params, the key, the probes."""
+
+    exp: Experiment
+    cfg: Config
+    key: str
+
+
+def plan(cfg: Config, n_train: int, dataset: data.Dataset | None = None) -> list[Experiment]:
+    """Every (batch size, lr multiplier, seed); rejects a batch the train split cannot fill before anything runs."""
+    batches_fit(cfg, n_train)
+    sc = cfg.sweep
+    epochs = sc.epochs or cfg.train.epochs
+    return [
+        Experiment(
+            b,
+            seed,
+            m * scaled_lr(cfg.train.lr, cfg.train.batch_size, b, sc.lr_scaling),
+            epochs,
+            m,
+            max(1, steps_per_epoch(n_train, b) // sc.evals_per_epoch),
+            n_train <= sc.exact_noise_rows,
+            probe_every(steps_per_epoch(n_train, b), max(1, steps_per_epoch(n_train, b) // sc.evals_per_epoch)),
+        )
+        for b in sc.batch_sizes
+        for m in sc.lr_multipliers
+        for seed in sc.seeds
+    ] + (adaptive_plan(cfg, n_train, dataset) if sc.adaptive else [])
+
+
+def probe_every(epoch_steps: int, eval_every: int) -> int:
+    """The noise probe's period: about an epoch, a multiple of the val points' period, so each
+    reading measures the weights of a val point (gns_probes.FullSplitProbe), which the exact value
+    at the reading is taken at (truth.py)."""
+    return eval_every * max(1, epoch_steps // eval_every)
+
+
+def adaptive_plan(cfg: Config, n_train: int, dataset: data.Dataset | None = None) -> list[Experiment]:
+    """sweep.adaptive's experiments, one per seed: from the smallest batch size (at its scaled lr)
+    up to the largest (with sweep.memory_budget_mb, the largest whose measured step memory fits:
+    the study's own probe, `dataset` given), scored as often as the largest batch's experiments are
+    (its steps grow)."""
+    sc = cfg.sweep
+    low, high = min(sc.batch_sizes), max(sc.batch_sizes)
+    if sc.memory_budget_mb is not None and dataset is not None:
+        shape = (dataset.input_shape, dataset.n_classes, dataset.vocab)
+        fits = [b for b in sorted(sc.batch_sizes) if _step_mib(cfg, b, n_train, shape) <= sc.memory_budget_mb]
+        high = max(fits, default=low)
+    lr = scaled_lr(cfg.train.lr, cfg.train.batch_size, low, sc.lr_scaling)
+    every = max(1, steps_per_epoch(n_train, high) // sc.evals_per_epoch)
+    epochs = sc.epochs or cfg.train.epochs
+    return [Experiment(low, seed, lr, epochs, eval_every_steps=every, adaptive=True, max_batch_size=high)
+            for seed in sc.seeds]  # fmt: skip
+
+
+def _step_mib(cfg: Config, batch: int, n_train: int, shape: tuple[tuple[int, ...], int, int]) -> float:
+    """The step memory the study reports for `batch` (probes.step_memory, measured once per batch)."""
+    lr = scaled_lr(cfg.train.lr, cfg.train.batch_size, batch, cfg.sweep.lr_scaling)
+    exp = Experiment(batch, 0, lr, 1, gns_every=steps_per_epoch(n_train, batch))
+    return probes.step_memory(experiment_config(cfg, exp), *shape)["step_memory_mib"]
+
+
+def experiment_config(cfg: Config, exp: Experiment) -> Config:
+    raw = cfg.model_dump()
+    # identical conditions: the same epochs for everyone, so no early stopping
+    raw["train"].update(batch_size=exp.batch_size, lr=exp.lr, seed=exp.seed, epochs=exp.epochs)
+    raw["train"].update(
+        early_stopping_patience=0,
+        eval_every_steps=exp.eval_every_steps,
+        curve_weights=exp.curve_weights,
+        gns_every=exp.gns_every,
+    )
+    if exp.adaptive:  # its probe follows train.adapt_every_steps, its lr the sweep's rule
+        rule = cfg.sweep.lr_scaling
+        raw["train"].update(adaptive_batch=True, max_batch_size=exp.max_batch_size, adapt_lr_scaling=rule)
+    return parse_config(raw)
+
+
+def keyed(cfg: Config, exp: Experiment, data_hash: str) -> Keyed:
+    exp_cfg = experiment_config(cfg, exp)
+    return Keyed(exp, exp_cfg, key_of(exp_cfg, data_hash))
+
+
+def _tree_hash(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for source in sorted(folder.rglob("*.py")) if folder.is_dir() else []:
+        digest.update(source.relative_to(folder).as_posix().encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+@functools.cache
+def code_hash() -> str:
+    """The package's source: a result measured by other code is not this code's result (a resume
+    after an edit re-measures, as `dvc repro` expects when it reruns the stage for the edit)."""
+    return _tree_hash(Path(__file__).parents[1])  # batchlab/, every subpackage included
+
+
+def fingerprint(cfg: Config, exp: Experiment, data_hash: str) -> str:
+    """An experiment's key: its params, the data and the code that measured it."""
+    return key_of(experiment_config(cfg, exp), data_hash)
+
+
+def key_of(exp_cfg: Config, data_hash: str) -> str:
+    """model.factory's experiments also key on usermodels/ (its code, at the project root): an edit
+    there re-measures them. The built-in models' keys stay as they were."""
+    user = f"-{_tree_hash(Path.cwd() / 'usermodels')}" if exp_cfg.model.factory else ""
+    return f"{exp_cfg.section_hash('model', 'train')}-{data_hash}-{code_hash()}{user}"
+
+
+# the experiment's fingerprint on its child run (its result row: scoring.RESULT_ARTIFACT)
+KEY_TAG = "sweep.key"
+
+
+def experiment_tags(exp: Experiment, key: str) -> dict[str, str]:
+    return {
+        "sweep.batch_size": str(exp.batch_size),
+        "sweep.seed": str(exp.seed),
+        "sweep.lr_multiplier": f"{exp.lr_multiplier:g}",
+        **({"sweep.adaptive": "true"} if exp.adaptive else {}),
+        KEY_TAG: key,
+    }
