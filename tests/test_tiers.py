@@ -22,7 +22,9 @@ markers =
 def _inner(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
     pytester.makeini(INI)
     pytester.makepyfile(test_inner=source)
-    return pytester.runpytest_inprocess("-p", "tests.support.tiers", "-p", "no:cacheprovider", *args)
+    with pytest.MonkeyPatch.context() as env:  # the inner session's tests are not the suite's durations
+        env.delenv("BATCHLAB_DURATIONS_OUT", raising=False)
+        return pytester.runpytest_inprocess("-p", "tests.support.tiers", "-p", "no:cacheprovider", *args)
 
 
 @pytest.mark.integration  # the inner test starts `true`

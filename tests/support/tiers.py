@@ -171,51 +171,51 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 # ---- what CI is told: load and cores at start and end, seconds per tier, the recorded durations
 
-_START: dict[str, Any] = {}
-
 
 def _load() -> str:
     one, five, _ = os.getloadavg()
     return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} cores"
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
-    _START.update(time=time.monotonic(), load=_load(), seconds={t: 0.0 for t in TIERS}, counts={t: 0 for t in TIERS})
-    _START["durations"] = {}
+class _Summary:
+    """One session's figures (an in-process pytester run is a session of its own, with its own)."""
+
+    def __init__(self) -> None:
+        self.started, self.load = time.monotonic(), _load()
+        self.seconds = {t: 0.0 for t in TIERS}
+        self.counts = {t: 0 for t in TIERS}
+        self.durations: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """On the controller too: pytest-xdist replays each worker's reports there."""
+        keywords = getattr(report, "keywords", {})
+        tier = "e2e" if "e2e" in keywords else "integration" if "integration" in keywords else "unit"
+        self.seconds[tier] += report.duration
+        if report.when == "call":
+            self.counts[tier] += 1
+        self.durations[report.nodeid] = self.durations.get(report.nodeid, 0.0) + report.duration
+
+    def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
+        if hasattr(config, "workerinput"):
+            return
+        write = terminalreporter.write_line
+        write(f"batchlab tiers: {time.monotonic() - self.started:.0f} s wall; at start {self.load}; at end {_load()}")
+        for tier in TIERS:
+            if self.counts[tier]:
+                write(f"  {tier:<12} {self.counts[tier]:4d} tests  {self.seconds[tier]:7.0f} s of test time")
+        out = os.environ.get("BATCHLAB_DURATIONS_OUT")
+        if out:  # `make test-durations`: merge this run's figures into the file's (or the recorded ones)
+            path = Path(out)
+            merged = {**_recorded(path if path.exists() else DURATIONS), **self.durations}
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps({k: round(v, 2) for k, v in sorted(merged.items())}, indent=0) + "\n")
+            tmp.replace(path)
+            write(f"  durations of {len(self.durations)} tests merged into {out}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_Summary(), f"batchlab-tiers-summary-{id(config)}")
 
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"batchlab tiers: {', '.join(TIERS)}; at start: {_load()}"
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """On the controller too: pytest-xdist replays each worker's reports there."""
-    if "seconds" not in _START:
-        return
-    keywords = getattr(report, "keywords", {})
-    tier = "e2e" if "e2e" in keywords else "integration" if "integration" in keywords else "unit"
-    _START["seconds"][tier] += report.duration
-    if report.when == "call":
-        _START["counts"][tier] += 1
-    durations = _START["durations"]
-    durations[report.nodeid] = durations.get(report.nodeid, 0.0) + report.duration
-
-
-def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    if hasattr(config, "workerinput") or "time" not in _START:
-        return
-    wall = time.monotonic() - _START["time"]
-    write = terminalreporter.write_line
-    write(f"batchlab tiers: {wall:.0f} s wall; at start {_START['load']}; at end {_load()}")
-    for tier in TIERS:
-        count, seconds = _START["counts"][tier], _START["seconds"][tier]
-        if count:
-            write(f"  {tier:<12} {count:4d} tests  {seconds:7.0f} s of test time")
-    out = os.environ.get("BATCHLAB_DURATIONS_OUT")
-    if out:  # `make test-durations`: merge this run's figures into the file's (or the recorded ones)
-        path = Path(out)
-        merged = {**_recorded(path if path.exists() else DURATIONS), **_START["durations"]}
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps({k: round(v, 2) for k, v in sorted(merged.items())}, indent=0) + "\n")
-        tmp.replace(path)
-        write(f"  durations of {len(_START['durations'])} tests merged into {out}")
