@@ -23,6 +23,7 @@ from batchlab import atomic, stages
 from batchlab.config import ConfigError
 from batchlab.paths import Paths
 from batchlab.sweep import experiment
+from batchlab.sweep import plan as sweep_plan
 from batchlab.sweep.plan import Lane, experiment_config, folder_of, plan
 from batchlab.sweep.run import prepare, run_sweep
 from batchlab.training.optim import scaled_lr
@@ -142,7 +143,7 @@ def test_results_of_other_code_are_measured_again(workdir: Path, monkeypatch: py
     stages.generate(cfg, Paths(workdir))
     run_sweep(cfg, Paths(workdir))
     assert prepare(cfg, Paths(workdir)).todo == []
-    monkeypatch.setattr(experiment, "code_hash", lambda: "edited")  # what an edit to src/batchlab does
+    monkeypatch.setattr(sweep_plan, "code_hash", lambda: "edited")  # what an edit to src/batchlab does
     assert len(prepare(cfg, Paths(workdir)).todo) == 2
 
 
