@@ -21,7 +21,7 @@ from prefect.tasks import exponential_backoff
 from batchlab import orchestration
 from batchlab.paths import Paths
 from batchlab.sweep import executors, groups, lock, progress
-from batchlab.sweep.plan import Experiment, Lane, Work
+from batchlab.sweep.plan import Lane, Work
 from batchlab.sweep.run import finish, parent_run, prepare, run_counted
 from batchlab.training import launch
 from pipeline import generate  # flows/ is on sys.path when a flow file runs
@@ -40,13 +40,13 @@ def experiment(lane: Lane, work: Work, name: str) -> dict[str, Any]:
     return groups.run_work(lane, work)
 
 
-def in_lanes(lane: Lane, todo: list[Experiment]) -> dict[str, dict[str, Any]]:
+def in_lanes(lane: Lane, work: list[Work]) -> dict[str, dict[str, Any]]:
     """The local executor as Prefect tasks: `sweep.parallel` lanes, each one work item at a time."""
     futures: list[PrefectFuture[dict[str, Any]]] = []
-    for queue in groups.lanes(groups.groups(lane.cfg, todo, lane.paths), lane.cfg.sweep.parallel):
+    for queue in groups.lanes(work, lane.cfg.sweep.parallel):
         previous: list[PrefectFuture[dict[str, Any]]] = []
-        for work in queue:  # one lane runs its work items one after another
-            future = experiment.submit(lane, work, work.name, wait_for=previous, return_state=False)
+        for item in queue:  # one lane runs its work items one after another
+            future = experiment.submit(lane, item, item.name, wait_for=previous, return_state=False)
             futures.append(future)
             previous = [future]
     results: dict[str, dict[str, Any]] = {}

@@ -45,7 +45,7 @@ def test_a_batchnorm_factory_sweep_reads_each_experiments_speed_from_its_own_his
     solo: list[Any] = []
     real = probes.solo_speed
     monkeypatch.setattr(probes, "solo_speed", lambda *a: solo.append(a) or real(*a))
-    results = executors.run_local(Lane(cfg, paths), todo)
+    results = executors.run_local(Lane(cfg, paths), work)
 
     assert not solo, f"probes.solo_speed trained {len(solo)} times for a sweep whose seeds train apart"
     for exp in todo:

@@ -37,7 +37,7 @@ import batchlab
 from batchlab import atomic, data, orchestration, tracking
 from batchlab.paths import Paths
 from batchlab.sweep import groups, progress, stop
-from batchlab.sweep.plan import Experiment, Lane, Results, Work, code_hash, folder_of
+from batchlab.sweep.plan import Lane, Results, Work, code_hash, folder_of
 from batchlab.sweep.preflight import DaskUnavailable, PrefectUnavailable
 from batchlab.training import threads
 
@@ -127,14 +127,13 @@ def experiment(lane: Lane, work: Work, name: str, root: str, outputs: str, want:
 
 
 @flow(name="batchlab-sweep-dask", validate_parameters=False)
-def on_cluster(lane: Lane, todo: list[Experiment], want: Expected, sweep_id: str) -> dict[str, dict[str, Any]]:
+def on_cluster(lane: Lane, work: list[Work], want: Expected, sweep_id: str) -> dict[str, dict[str, Any]]:
     """Submit every task at once; the scheduler places them on free worker threads. A task is one
     experiment, or the seeds of one batch size trained together, as the local executor groups them."""
     paths = lane.paths
     root, outputs = str(paths.root.resolve()), os.path.relpath(paths.outputs, paths.root)
-    futures = [experiment.submit(lane, work, work.name, root, outputs, want, sweep_id)
-               for work in groups.groups(lane.cfg, todo, paths)]  # fmt: skip
-    by_name = {exp.name: exp for exp in todo}
+    futures = [experiment.submit(lane, item, item.name, root, outputs, want, sweep_id) for item in work]
+    by_name = {exp.name: exp for item in work for exp in item.experiments}
     results: dict[str, dict[str, Any]] = {}
     for done in as_completed(futures):
         for name, result in done.result().items():
@@ -178,12 +177,12 @@ def _without_tracebacks_of(lost: tuple[type[BaseException], ...]) -> Iterator[No
             handler.removeFilter(quiet)
 
 
-def run(lane: Lane, todo: list[Experiment]) -> dict[str, dict[str, Any]]:
+def run(lane: Lane, work: list[Work]) -> dict[str, dict[str, Any]]:
     """The experiments still to do, one Prefect task run each on the cluster at sweep.dask_address."""
     from distributed.client import FutureCancelledError
     from prefect_dask import DaskTaskRunner
 
-    if not todo:
+    if not work:
         return {}
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per Prefect API call otherwise
     cfg = lane.cfg
@@ -199,7 +198,7 @@ def run(lane: Lane, todo: list[Experiment]) -> dict[str, dict[str, Any]]:
         # DaskTaskRunner is a TaskRunner of its own future type, which with_options does not spell
         flow_ = on_cluster.with_options(task_runner=runner)  # type: ignore[arg-type]
         with _without_tracebacks_of(lost):
-            return flow_(lane, todo, expected(lane.paths), sweep_id)
+            return flow_(lane, work, expected(lane.paths), sweep_id)
     except lost as err:
         raise DaskUnavailable(
             f"lost the Dask scheduler at {address} mid-sweep ({type(err).__name__}); the finished experiments "

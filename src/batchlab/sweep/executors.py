@@ -3,8 +3,9 @@
     local  `sweep.parallel` lanes on this machine, each work item in turn (groups.run_work)
     dask   one Prefect task run per experiment on a dask.distributed cluster (cluster.py)
 
-`for_sweep` checks, before anything runs, what the executor needs; `run` takes the experiments
-still to do and returns their result rows by name, as run.finish expects them.
+`for_sweep` checks, before anything runs, what the executor needs; `run` takes the work items
+still to do (groups.groups: the experiments, alone or with their seeds) and returns their result
+rows by name, as run.finish expects them.
 
 The local executor stops what it starts: on Ctrl-C, SIGTERM or a failed experiment no queued
 experiment starts and the running ones' processes are stopped before the sweep exits.
@@ -24,10 +25,10 @@ from typing import Any
 
 from batchlab.config import Config
 from batchlab.sweep import groups, progress
-from batchlab.sweep.plan import Experiment, Lane, Results
+from batchlab.sweep.plan import Lane, Results, Work
 
-# runs the experiments still to do and returns their result rows by name
-Runner = Callable[[Lane, list[Experiment]], Results]
+# runs the work items still to do and returns their result rows by name
+Runner = Callable[[Lane, list[Work]], Results]
 # a Ctrl-C at a terminal reaches the experiments' processes too: they end on their own within this
 ON_THEIR_OWN_S = 5.0
 # an experiment's process told to stop ends its MLflow run KILLED and keeps its checkpoint within this
@@ -40,10 +41,8 @@ class Executor:
     run: Runner
 
 
-def run_local(lane: Lane, todo: list[Experiment]) -> Results:
+def run_local(lane: Lane, work: list[Work]) -> Results:
     """`sweep.parallel` work items at once on this machine (each in its own process when above one)."""
-    # the seeds of one batch size and lr train together (groups.py); alone where they cannot
-    work = groups.groups(lane.cfg, todo, lane.paths)
     results: Results = {}
     if lane.cfg.sweep.parallel == 1:  # in this thread: Ctrl-C and SIGTERM interrupt the training itself
         for item in work:

@@ -18,7 +18,7 @@ from batchlab import atomic, data, tracking
 from batchlab.config import Config
 from batchlab.paths import Paths
 from batchlab.study import analysis, report
-from batchlab.sweep import executors, experiment, plan, progress, truth
+from batchlab.sweep import executors, experiment, groups, plan, progress, truth
 from batchlab.sweep import state as sweep_state
 from batchlab.sweep.lock import exclusive
 from batchlab.sweep.state import Sweep
@@ -150,11 +150,13 @@ def description(study: analysis.Study, markdown: str, parent: tracking.Tracker) 
 
 
 def run_counted(executor: executors.Executor, lane: plan.Lane, sweep: Sweep) -> dict[str, dict[str, Any]]:
-    """The experiments still to do, through `executor`, counted done / total with the time left."""
+    """The experiments still to do, through `executor`, counted done / total with the time left;
+    grouped here, once, into the work items every executor runs (groups.groups)."""
     if not sweep.todo:
-        return executor.run(lane, sweep.todo)
+        return executor.run(lane, [])
+    work = groups.groups(lane.cfg, sweep.todo, lane.paths)
     with progress.counting(len(sweep.experiments), len(sweep.experiments) - len(sweep.todo)):
-        return executor.run(lane, sweep.todo)
+        return executor.run(lane, work)
 
 
 def run_sweep(cfg: Config, paths: Paths) -> dict[str, Any]:
