@@ -56,8 +56,9 @@ def train(
         tracked.check_trainable(cfg, dataset)
         launch.launch(cfg.train, tracked.rank_args(cfg, paths), paths.root, run_id=None)
         return {}
-    with tracked.training(cfg, paths, dataset, parent_run_id, name, tags) as (_, trained):
-        return trained.info
+    tracked.check_trainable(cfg, dataset)
+    with tracked.train_run(cfg, paths, dataset, parent_run_id, name, tags) as tracker:
+        return tracked.train_in_run(cfg, paths, dataset, tracker).info
 
 
 def _register(cfg: Config, paths: Paths, tracker: tracking.Tracker, predictor_uri: str | None) -> None:

@@ -45,10 +45,11 @@ def test_a_batchnorm_factory_sweep_reads_each_experiments_speed_from_its_own_his
     solo: list[Any] = []
     real = probes.solo_speed
     monkeypatch.setattr(probes, "solo_speed", lambda *a: solo.append(a) or real(*a))
-    results = executors.run_local(Lane(cfg, paths), work)
+    lane = Lane(cfg, paths)
+    results = executors.run_local(lane, work)
 
     assert not solo, f"probes.solo_speed trained {len(solo)} times for a sweep whose seeds train apart"
     for exp in todo:
-        history = atomic.read_csv(Lane(cfg, paths).folder(exp).reports / "history.csv")
+        history = atomic.read_csv(lane.folder(exp).reports / "history.csv")
         own = statistics.median(float(row["samples_per_s"]) for row in history)
         assert results[exp.name]["samples_per_s"] == pytest.approx(own, rel=1e-12), exp.name

@@ -165,6 +165,7 @@ def experiment_config(cfg: Config, exp: Experiment) -> Config:
 
 
 def keyed(cfg: Config, exp: Experiment, data_hash: str) -> Keyed:
+    """`exp` with its config and its key (key_of)."""
     exp_cfg = experiment_config(cfg, exp)
     return Keyed(exp, exp_cfg, key_of(exp_cfg, data_hash))
 
@@ -183,14 +184,10 @@ def code_hash() -> str:
     return _tree_hash(Path(__file__).parents[1])  # batchlab/, every subpackage included
 
 
-def fingerprint(cfg: Config, exp: Experiment, data_hash: str) -> str:
-    """An experiment's key: its params, the data and the code that measured it."""
-    return key_of(experiment_config(cfg, exp), data_hash)
-
-
 def key_of(exp_cfg: Config, data_hash: str) -> str:
-    """model.factory's experiments also key on usermodels/ (its code, at the project root): an edit
-    there re-measures them. The built-in models' keys stay as they were."""
+    """An experiment's key: its params (`exp_cfg`: experiment_config), the data and the code that
+    measured it. model.factory's experiments also key on usermodels/ (its code, at the project
+    root): an edit there re-measures them. The built-in models' keys stay as they were."""
     user = f"-{_tree_hash(Path.cwd() / 'usermodels')}" if exp_cfg.model.factory else ""
     return f"{exp_cfg.section_hash('model', 'train')}-{data_hash}-{code_hash()}{user}"
 

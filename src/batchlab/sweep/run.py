@@ -36,7 +36,7 @@ def prepare(cfg: Config, paths: Paths) -> Sweep:
     finished = {}
     for exp in experiments:
         result_path = plan.folder_of(paths, exp).outputs / "result.json"
-        done = experiment.read_result(result_path, plan.fingerprint(cfg, exp, data_hash))
+        done = experiment.read_result(result_path, plan.keyed(cfg, exp, data_hash).key)
         if done:
             finished[exp.name] = done
     earlier = sweep_state.earlier_wall_seconds(state, finished)

@@ -86,22 +86,6 @@ def check_trainable(cfg: Config, dataset: data.Dataset) -> None:
     check_supported(cfg.train)
 
 
-@contextlib.contextmanager
-def training(
-    cfg: Config,
-    paths: Paths,
-    dataset: data.Dataset,
-    parent_run_id: str | None = None,
-    name: str | None = None,
-    tags: dict[str, str] | None = None,
-) -> Iterator[tuple[tracking.Tracker, Trained]]:
-    """Train and log the model, then yield the run, still open, with the training handed on: what
-    the caller adds (a sweep experiment's scores) is recorded before the run ends FINISHED."""
-    check_trainable(cfg, dataset)
-    with train_run(cfg, paths, dataset, parent_run_id, name, tags) as tracker:
-        yield tracker, train_in_run(cfg, paths, dataset, tracker)
-
-
 def train_in_run(cfg: Config, paths: Paths, dataset: data.Dataset, tracker: tracking.Tracker) -> Trained:
     """Train into the open run `tracker`, here or on torchrun's ranks, and log what it made."""
     result = None
