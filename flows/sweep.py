@@ -70,7 +70,7 @@ def batch_size_sweep(
         executor = executors.for_sweep(cfg, local=in_lanes)  # sweep.executor: dask runs a subflow on the cluster
         study = prepare(cfg, paths)
         with parent_run(cfg, paths, study) as parent:
-            results = run_counted(executor, Lane(cfg, paths, parent.run_id), study)
+            results = run_counted(executor, Lane(cfg, paths, parent.run_id, study.clock), study)
             summary = finish(cfg, paths, study, results, parent)
     create_markdown_artifact(
         key="batchlab-sweep", markdown=f"**MLflow parent run:** `{study.parent_run_id}`\n\n{summary['markdown']}"

@@ -13,17 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from batchlab import data, stages
+from batchlab import atomic, stages
 from batchlab.config import Config
 from batchlab.data import Dataset, Split
 from batchlab.model import ACTIVATIONS
 from batchlab.paths import Paths
 from batchlab.seeds import vectorized
-from batchlab.sweep import groups, probes
-from batchlab.sweep.plan import Experiment, experiment_config
+from batchlab.sweep import groups, speeds
+from batchlab.sweep.plan import Experiment
 from batchlab.sweep.run import run_sweep
 from batchlab.training import gns_probes
 from batchlab.training.strategy import Strategy
+from batchlab.training.throughput import Table
 from batchlab.training.train import TrainResult, fit
 from tests.support import tiny_config
 
@@ -153,15 +154,19 @@ def test_sweep_with_seeds_together_gives_the_sequential_result_rows(
         assert (reports["together"] / "train.json").is_file() and (reports["together"] / "history.csv").is_file()
         assert not (reports["together"].parent / ".batchlab/checkpoints/train.pt").exists()
     # the group's wall time is shared, not counted once per seed; the speed compared across batch
-    # sizes is one training alone (probes.solo_speed), the same figure for every seed of a batch size
+    # sizes is the sweep's throughput table's, timed side by side, and each experiment's seconds are
+    # its examples at that speed plus its probes at the table's seconds per probe
     assert sum(r["train_seconds"] for r in together) > 0
-    cfg = tiny_config(sweep={"batch_sizes": [16, 64], "seeds": [0, 1], "vectorize_seeds": True})
-    dataset = data.load(Paths(tmp_path / "together").data)
+    table = Table.from_dict(json.loads((tmp_path / "together" / "sweep" / speeds.TABLE).read_text()))
+    assert [e.batch_size for e in table.entries] == [16, 64] and table.probe is not None
     for row in together:
-        exp = Experiment(**{k: row[k] for k in ("batch_size", "seed", "lr", "epochs", "lr_multiplier",
-                                                         "eval_every_steps")})  # fmt: skip
-        solo = probes.solo_speed(experiment_config(cfg, exp), dataset)  # measured once: the same figure
-        assert (row["samples_per_s"], row["epoch_seconds"]) == (solo["samples_per_s"], solo["epoch_seconds"])
+        per_s = table.samples_per_s(row["batch_size"])
+        assert row["clock"] == "table" and row["samples_per_s"] == per_s
+        history = atomic.read_csv(tmp_path / "together/sweep/experiments" / row["name"] / "reports/history.csv")
+        probes = float(history[-1]["gns.probes"])
+        assert probes == row["epochs"] - 1  # once an epoch, from the weights after the first
+        expected = row["epoch_examples"][-1] / per_s + probes * table.probe_seconds
+        assert row["epoch_train_seconds"][-1] == pytest.approx(expected, rel=1e-9)
 
 
 def test_seeds_train_apart_where_the_vectorized_path_does_not_apply(

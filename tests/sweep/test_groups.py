@@ -1,18 +1,16 @@
-"""The sweep decides once whether a batch size's seeds train together, and every experiment's
-speed follows that decision (plan.Work.together)."""
+"""The sweep decides once whether a batch size's seeds train together; every experiment's speed,
+together or apart, is the sweep's throughput table's (sweep/speeds.py)."""
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
-from typing import Any
 
 import pytest
 from torch import nn
 
 from batchlab import atomic, data
 from batchlab.paths import Paths
-from batchlab.sweep import executors, groups, probes
+from batchlab.sweep import executors, groups, speeds
 from batchlab.sweep.plan import Lane, plan
 from tests.support import tiny_config
 
@@ -27,29 +25,28 @@ def batchnorm_mlp(input_shape: tuple[int, ...], n_classes: int, width: int = 16)
 
 
 @pytest.mark.integration  # the experiments' runs read git (tracking.environment_tags), even with tracking off
-def test_a_batchnorm_factory_sweep_reads_each_experiments_speed_from_its_own_history(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Its seeds train apart (groups.groups tries the model), so each experiment's samples/s is the
-    median of its own epochs, as any experiment trained alone: before, the speed step asked the
-    config alone, took the seeds for grouped and trained every batch size again for
-    probes.solo_speed's fastest window."""
+def test_a_batchnorm_factory_sweep_reads_each_experiments_speed_from_the_table(tmp_path: Path) -> None:
+    """Its seeds train apart (groups.groups tries the model); each experiment's samples/s is the
+    throughput table's at its batch size and its seconds its examples at that speed (no noise probe
+    for a BatchNorm model), not the median of its own epochs, which another experiment's load moves."""
     cfg = tiny_config(model={"factory": f"{HERE}:batchnorm_mlp"}, sweep={"batch_sizes": [16, 32], "seeds": [0, 1]})
     paths = Paths(tmp_path)
     dataset, scaler = data.build(cfg.data)
     data.save(dataset, scaler, paths.data)
     todo = plan(cfg, dataset.train.y.shape[0], dataset)
     work = groups.groups(cfg, todo, paths)
-    assert [(len(w), w.together) for w in work] == [(1, False)] * 4
+    assert [len(w) for w in work] == [1] * 4
 
-    solo: list[Any] = []
-    real = probes.solo_speed
-    monkeypatch.setattr(probes, "solo_speed", lambda *a: solo.append(a) or real(*a))
-    lane = Lane(cfg, paths)
+    table = speeds.table_for(cfg, paths, todo)
+    assert table is not None and table.probe is not None  # the table times the probe when train.gns is on
+    lane = Lane(cfg, paths, None, table)
     results = executors.run_local(lane, work)
 
-    assert not solo, f"probes.solo_speed trained {len(solo)} times for a sweep whose seeds train apart"
     for exp in todo:
+        row = results[exp.name]
         history = atomic.read_csv(lane.folder(exp).reports / "history.csv")
-        own = statistics.median(float(row["samples_per_s"]) for row in history)
-        assert results[exp.name]["samples_per_s"] == pytest.approx(own, rel=1e-12), exp.name
+        assert "gns.probes" not in history[0]  # BatchNorm: no noise probe, none counted
+        assert row["samples_per_s"] == table.samples_per_s(exp.batch_size), exp.name
+        expected = [examples / row["samples_per_s"] for examples in row["epoch_examples"]]
+        assert row["epoch_train_seconds"] == pytest.approx(expected, rel=1e-12), exp.name
+    assert speeds.table_for(cfg, paths, todo) == table  # stored: a resumed sweep reads the same clock

@@ -82,9 +82,11 @@ def reach(result: dict[str, Any], target: float) -> dict[str, Any]:
     at = result["curve_steps"].index(step)
     # an adaptive run's batch changes: its val curve counts the examples (older rows have no column)
     examples = result["curve_examples"][at] if result.get("curve_examples") else step * result["batch_size"]
-    # at the median throughput (scoring the val split along the way is not training time); an
-    # adaptive run's throughput moves with its batch: its own epochs' seconds (study/adaptive.py)
-    seconds = seconds_at(result, examples) if result.get("adaptive") else examples / result["samples_per_s"]
+    # on the sweep's clock (the throughput table: each epoch's steps and probes, sweep/scoring.py),
+    # interpolated within the epoch; an older row's at its median throughput, an adaptive one's at
+    # its own epochs' (scoring the val split along the way is not training time)
+    timed = result.get("clock") == "table" or result.get("adaptive")
+    seconds = seconds_at(result, examples) if timed else examples / result["samples_per_s"]
     reading, measured = reading_at(result, step)
     return {
         **result,

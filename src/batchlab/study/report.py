@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchlab import atomic
-from batchlab.study import adaptive, critical
+from batchlab.study import adaptive, clock, critical
 
 if TYPE_CHECKING:
     from batchlab.study.analysis import Study
@@ -186,6 +186,8 @@ def markdown(study: Study, context: dict[str, Any]) -> str:
     ]
     if study.adaptive is not None:
         parts += ["## Adaptive batch size\n", adaptive_text(study) + "\n"]
+    if context.get("clock"):
+        parts += ["## The clock: throughput side by side\n", clock.text(context["clock"]) + "\n"]
     extra = " ".join(t for t in (lr_text(study), budget_text(study, context["memory_budget_mb"])) if t)
     if extra:
         parts.append(extra + "\n")

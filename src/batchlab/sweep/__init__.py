@@ -2,7 +2,8 @@
 
 truth       the exact noise scale at the target, from the weights experiments keep
 scoring     an experiment's result row: test scores, speed, memory, val curve, batch schedule
-probes      what an experiment measures besides training: solo speed, step memory
+probes      what an experiment measures besides training: step memory
+speeds      the throughput table every figure in seconds reads, measured as the first step
 plan        every experiment and its identity (config, key, folder, tags); Lane, Work
 experiment  one experiment run: found finished, or trained, measured, scored and recorded
 state       a sweep's resume state (state.json)

@@ -23,6 +23,7 @@ from batchlab.sweep import probes, scoring, truth
 from batchlab.sweep.plan import KEY_TAG, Experiment, Keyed, Lane, Work, experiment_tags, keyed
 from batchlab.tracking import children
 from batchlab.training import threads, tracked
+from batchlab.training.throughput import Table
 from batchlab.training.tracked import Trained
 
 log = logging.getLogger(__name__)
@@ -60,19 +61,19 @@ def stored_result(lane: Lane, exp: Experiment, key: str) -> dict[str, Any] | Non
     return found
 
 
-def train_and_score(lane: Lane, exp: Experiment, together: bool = False) -> dict[str, Any]:
+def train_and_score(lane: Lane, exp: Experiment) -> dict[str, Any]:
     """Train and test one experiment in its own folder, unless it finished already; returns its
-    result row. `together`: the sweep's seeds train together (Work.together)."""
+    result row."""
     clock = Clock(time.perf_counter())
     dataset = data.load(lane.paths.data)
     job = keyed(lane.cfg, exp, dataset.content_hash())
     done = stored_result(lane, exp, job.key)
     if done is not None:
         return done
-    return train_one(lane, job, dataset, clock, together)
+    return train_one(lane, job, dataset, clock)
 
 
-def train_one(lane: Lane, job: Keyed, dataset: data.Dataset, clock: Clock, together: bool) -> dict[str, Any]:
+def train_one(lane: Lane, job: Keyed, dataset: data.Dataset, clock: Clock) -> dict[str, Any]:
     """Train and record one experiment known to be still to train (`stored_result` found nothing)."""
     folder = lane.folder(job.exp)
     tracked.check_trainable(job.cfg, dataset)
@@ -80,7 +81,7 @@ def train_one(lane: Lane, job: Keyed, dataset: data.Dataset, clock: Clock, toget
     def train(tracker: tracking.Tracker) -> Trained:
         return tracked.train_in_run(job.cfg, folder, dataset, tracker)
 
-    return record(lane, job, dataset, train, clock, together)
+    return record(lane, job, dataset, train, clock)
 
 
 def record(
@@ -89,7 +90,6 @@ def record(
     dataset: data.Dataset,
     train: Callable[[tracking.Tracker], Trained],
     clock: Clock,
-    together: bool,
     tags: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """One experiment's child run, trained into by `train`, then measured and scored in the run
@@ -100,8 +100,8 @@ def record(
     run = tracked.train_run(job.cfg, lane.folder(exp), dataset, lane.parent_run_id, f"sweep-{exp.name}", tags)
     with run as tracker:
         trained = train(tracker)
-        measured = measure(job.cfg, dataset, trained.history, together)
-        result = scoring.score(exp, job.key, trained, dataset, measured, clock.seconds(), tracker)
+        measured = measure(job.cfg, dataset, trained.history, lane.clock)
+        result = scoring.score(exp, job.key, trained, dataset, measured, clock.seconds(), tracker, lane.clock)
     fully_recorded(exp, tracker)
     return keep(lane, exp, result)
 
@@ -130,15 +130,16 @@ def fully_recorded(exp: Experiment, tracker: tracking.Tracker) -> None:
 
 
 def measure(
-    exp_cfg: Config, dataset: data.Dataset, history: list[dict[str, float]], together: bool
+    exp_cfg: Config, dataset: data.Dataset, history: list[dict[str, float]], clock: Table | None
 ) -> dict[str, float]:
-    """The experiment's speed and step memory. Its own epochs' medians (one epoch slowed by a busy
-    machine should not move the comparison), or, when the sweep's seeds train together, one training
-    alone at its batch size and lr (probes.solo_speed: a seed's share of its group's time would
-    flatter small batches). The step memory, with and without the noise probe, is measured once per
-    batch size (probes.step_memory)."""
-    if together and not exp_cfg.train.adaptive_batch:  # an adaptive run trains alone
-        speed = probes.solo_speed(exp_cfg, dataset)
+    """The experiment's speed and step memory. The speed is the sweep's throughput table's at its
+    batch size (`clock`, measured side by side: a seed's share of its group's time would flatter
+    small batches, and one measurement per batch size, taken while its experiments ran, inverted
+    under load), else its own epochs' medians (DDP/FSDP). The step memory, with and without the
+    noise probe, is measured once per batch size (probes.step_memory)."""
+    if clock is not None:
+        per_s = clock.samples_per_s(exp_cfg.train.batch_size)
+        speed = {"samples_per_s": per_s, "epoch_seconds": dataset.train.y.shape[0] / per_s}
     else:
         speed = {k: statistics.median(h[k] for h in history) for k in ("samples_per_s", "epoch_seconds")}
     return {**speed, **probes.step_memory(exp_cfg, dataset.input_shape, dataset.n_classes, dataset.vocab)}

@@ -52,13 +52,13 @@ def groups(cfg: Config, todo: list[Experiment], paths: Paths) -> list[Work]:
     if not asked or reason is not None:
         if asked:
             log.info("sweep: seeds train one after another: %s", reason)
-        return [Work((exp,), together=False) for exp in todo]
+        return [Work((exp,)) for exp in todo]
     together: dict[tuple[int, float], list[Experiment]] = {}
     for exp in todo:
         if not exp.adaptive:  # each adaptive seed's batch follows its own readings: it trains alone
             together.setdefault((exp.batch_size, exp.lr_multiplier), []).append(exp)
     alone = [(exp,) for exp in todo if exp.adaptive]
-    return [Work(tuple(exps), together=True) for exps in [*together.values(), *alone]]
+    return [Work(tuple(exps)) for exps in [*together.values(), *alone]]
 
 
 def run_work(lane: Lane, work: Work) -> dict[str, Any]:
@@ -74,7 +74,7 @@ def train_work(lane: Lane, work: Work) -> dict[str, Any]:
     """Seeds that resume from the same epoch (0: a fresh start) train together; one alone trains as before."""
     if len(work) == 1:
         exp = work.experiments[0]
-        return {exp.name: experiment.train_and_score(lane, exp, work.together)}
+        return {exp.name: experiment.train_and_score(lane, exp)}
     dataset = data.load(lane.paths.data)
     data_hash = dataset.content_hash()
     jobs = [keyed(lane.cfg, exp, data_hash) for exp in work.experiments]  # each built once
@@ -90,7 +90,7 @@ def train_work(lane: Lane, work: Work) -> dict[str, Any]:
         part = [job for job, resumes in zip(jobs, epochs, strict=True) if resumes == epoch]
         if len(part) == 1:
             clock = Clock(time.perf_counter())
-            results[part[0].exp.name] = experiment.train_one(lane, part[0], dataset, clock, work.together)
+            results[part[0].exp.name] = experiment.train_one(lane, part[0], dataset, clock)
         else:
             results.update(_train_together(lane, part, dataset))
     return results
@@ -111,7 +111,7 @@ def _train_together(lane: Lane, jobs: list[Keyed], dataset: data.Dataset) -> dic
     for job, folder, result in zip(jobs, folders, fitted, strict=True):
         clock = Clock(time.perf_counter(), share)
         train = functools.partial(_log_fitted, job.cfg, folder, dataset, result)
-        results[job.exp.name] = experiment.record(lane, job, dataset, train, clock, True, tags)
+        results[job.exp.name] = experiment.record(lane, job, dataset, train, clock, tags)
     return results
 
 

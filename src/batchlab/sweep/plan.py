@@ -19,6 +19,7 @@ from batchlab.config import Config, parse_config
 from batchlab.paths import Paths
 from batchlab.sweep import probes
 from batchlab.training.optim import scaled_lr, steps_per_epoch
+from batchlab.training.throughput import Table
 from batchlab.validate import batches_fit
 
 
@@ -51,11 +52,13 @@ Results = dict[str, dict[str, Any]]
 @dataclass(frozen=True)
 class Lane:
     """Where a sweep's experiments train and are recorded: its config, its folders (on this machine
-    or this Dask worker) and its parent MLflow run."""
+    or this Dask worker), its parent MLflow run and its clock: the throughput table every
+    experiment's speed is read from (sweep/speeds.py; None: each its own epochs')."""
 
     cfg: Config
     paths: Paths
     parent_run_id: str | None = None
+    clock: Table | None = None
 
     def folder(self, exp: Experiment) -> Paths:
         return folder_of(self.paths, exp)
@@ -69,13 +72,9 @@ def folder_of(paths: Paths, exp: Experiment) -> Paths:
 @dataclass(frozen=True)
 class Work:
     """One task of the sweep: an experiment, or the seeds of one batch size and lr multiplier
-    trained together. `together`: whether this sweep's seeds train together, decided once for the
-    whole sweep (groups.groups); then every fixed experiment's speed is measured alone
-    (probes.solo_speed), one trained by itself (resumed at another epoch) included, so that all
-    compare, and otherwise read from its own epochs."""
+    trained together (decided once for the whole sweep: groups.groups)."""
 
     experiments: tuple[Experiment, ...]
-    together: bool
 
     @property
     def name(self) -> str:

@@ -18,7 +18,7 @@ from batchlab import atomic, data, tracking
 from batchlab.config import Config
 from batchlab.paths import Paths
 from batchlab.study import analysis, report
-from batchlab.sweep import executors, experiment, groups, plan, progress, truth
+from batchlab.sweep import executors, experiment, groups, plan, progress, speeds, truth
 from batchlab.sweep import state as sweep_state
 from batchlab.sweep.lock import exclusive
 from batchlab.sweep.state import Sweep
@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 
 def prepare(cfg: Config, paths: Paths) -> Sweep:
-    """Plan the experiments and find those an earlier sweep already finished. Call it holding `exclusive`."""
+    """Plan the experiments, find those an earlier sweep already finished, and read (or measure) the
+    throughput table every experiment's seconds are counted on. Call it holding `exclusive`."""
     dataset = data.load(paths.data)
     experiments = plan.plan(cfg, dataset.train.y.shape[0], dataset)
     data_hash = dataset.content_hash()
@@ -41,6 +42,7 @@ def prepare(cfg: Config, paths: Paths) -> Sweep:
             finished[exp.name] = done
     earlier = sweep_state.earlier_wall_seconds(state, finished)
     sweep = Sweep(experiments, finished, key, state.get("parent_run_id"), earlier, state.get("reported"))
+    sweep.clock = speeds.table_for(cfg, paths, experiments)  # the sweep's first step, in its wall time
     if sweep.up_to_date:
         log.info(
             "sweep: all %d experiments already finished; nothing to do (to re-measure: delete %s/; under "
@@ -111,7 +113,10 @@ def finish(
         "optimizer": cfg.train.optimizer,
         "epochs": cfg.sweep.epochs or cfg.train.epochs,
         "memory_budget_mb": cfg.sweep.memory_budget_mb,
+        "clock": sweep.clock.to_dict() if sweep.clock is not None else None,
     }
+    if sweep.clock is not None:  # the report's copy of the table its seconds were read from
+        atomic.write_json(folder / speeds.TABLE, sweep.clock.to_dict())
     markdown = report.write(result, folder, context)
     figures = {
         **result.figures(),
@@ -165,6 +170,6 @@ def run_sweep(cfg: Config, paths: Paths) -> dict[str, Any]:
     with exclusive(paths):
         sweep = prepare(cfg, paths)
         with parent_run(cfg, paths, sweep) as parent:
-            results = run_counted(executor, plan.Lane(cfg, paths, parent.run_id), sweep)
+            results = run_counted(executor, plan.Lane(cfg, paths, parent.run_id, sweep.clock), sweep)
             summary = finish(cfg, paths, sweep, results, parent)
     return summary

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchlab import data, evaluate
 from batchlab.tracking import Tracker
+from batchlab.training.throughput import Table
 from batchlab.training.tracked import Trained
 
 if TYPE_CHECKING:
@@ -25,18 +26,25 @@ log = logging.getLogger(__name__)
 RESULT_ARTIFACT = "sweep/result.json"
 
 
-def _epoch_totals(history: list[dict[str, float]]) -> dict[str, list[float]]:
-    """Examples and training seconds since the start at each epoch's end: an adaptive run's seconds
-    to the target, whose throughput moves with its batch. An epoch's rows are its samples/s x its
-    seconds; its seconds are counted at the median samples/s of the epochs that ended at its batch,
-    so one epoch slowed by a busy machine moves them as little as the fixed rows' median."""
+def _epoch_totals(history: list[dict[str, float]], batch_size: int, clock: Table | None) -> dict[str, list[float]]:
+    """Examples and training seconds since the start at each epoch's end: the seconds to the target
+    (an adaptive run's throughput moves with its batch). An epoch's rows are its samples/s x its
+    seconds. With the sweep's throughput table (`clock`) its seconds are its rows at the table's
+    speed for its batch, plus its noise probes at the table's seconds per probe: every experiment on
+    one clock, measured side by side. Without (DDP/FSDP), at the median samples/s of its epochs at
+    the same batch, so one epoch slowed by a busy machine moves them little."""
     rows = [round(h["samples_per_s"] * h["epoch_seconds"]) for h in history]
-    batch = [h.get("batch_size", 0.0) for h in history]  # a fixed batch's history has no column: one group
-    speeds: dict[float, list[float]] = {}
-    for b, h in zip(batch, history, strict=True):
-        speeds.setdefault(b, []).append(h["samples_per_s"])
-    typical = {b: statistics.median(v) for b, v in speeds.items()}
-    seconds = [r / typical[b] for r, b in zip(rows, batch, strict=True)]
+    batch = [int(h.get("batch_size", batch_size)) for h in history]  # an adaptive run's at the epoch's end
+    if clock is not None:
+        probes = [0.0] + [h.get("gns.probes", 0.0) for h in history]
+        seconds = [r / clock.samples_per_s(b) + (probes[i + 1] - probes[i]) * clock.probe_seconds
+                   for i, (r, b) in enumerate(zip(rows, batch, strict=True))]  # fmt: skip
+    else:
+        speeds: dict[int, list[float]] = {}
+        for b, h in zip(batch, history, strict=True):
+            speeds.setdefault(b, []).append(h["samples_per_s"])
+        typical = {b: statistics.median(v) for b, v in speeds.items()}
+        seconds = [r / typical[b] for r, b in zip(rows, batch, strict=True)]
     return {"epoch_examples": list(itertools.accumulate(rows)),
             "epoch_train_seconds": list(itertools.accumulate(seconds))}  # fmt: skip
 
@@ -68,10 +76,12 @@ def score(
     measured: dict[str, float],
     seconds: float,
     tracker: Tracker,
+    clock: Table | None = None,
 ) -> dict[str, Any]:
     """Test a trained experiment and record its summary and result row in its run, still open;
     returns the row (`keep` writes it once the run has ended).
-    `seconds`: its training's wall time so far (what is not train_seconds is overhead)."""
+    `seconds`: its training's wall time so far (what is not train_seconds is overhead); `clock`: the
+    sweep's throughput table, which its seconds to the target are counted on."""
     started = time.perf_counter() - seconds
     history, curve = trained.history, trained.val_curve
     test, _, _ = evaluate.score_model(trained.model, dataset.class_names, dataset)
@@ -93,9 +103,9 @@ def score(
         "gns_b_simple": history[-1].get("gns.b_simple", math.nan),
         "curve_steps": [int(v) for v in _floats(curve, "step")],
         "curve_examples": [int(v) for v in _floats(curve, "examples")],
-        # cumulative examples and training seconds at each epoch's end: an adaptive run's seconds to
-        # the target (its throughput changes with its batch), and its batch at each
-        **_epoch_totals(history),
+        # cumulative examples and training seconds at each epoch's end: the seconds to the target
+        **_epoch_totals(history, exp.batch_size, clock),
+        "clock": "table" if clock is not None else "epochs",  # what those seconds were counted on
         "batch_schedule": trained.info.get("batch_schedule", []),
         "curve_val_loss": _floats(curve, "val_loss"),
         "curve_b_simple": _floats(curve, "gns.b_simple"),

@@ -18,6 +18,7 @@ from typing import Any
 from batchlab import atomic
 from batchlab.paths import Paths
 from batchlab.sweep.experiment import Experiment
+from batchlab.training.throughput import Table
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Sweep:
     wall_seconds: float  # spent by earlier attempts of this sweep (same settings)
     reported: str | None  # digest of the results an earlier attempt reported and logged
     started: float = field(default_factory=time.perf_counter)
+    clock: Table | None = None  # the throughput table its seconds are read from (sweep/speeds.py)
 
     @property
     def todo(self) -> list[Experiment]:

@@ -148,6 +148,7 @@ class NoiseScale:
     weight: float = 0.0  # 1 - decay**n over the n finite readings: the bias correction
     steps_settled: int = 0  # `steps` at the last settle: where the next trajectory starts
     measured_step: float = math.nan  # the step whose weights the latest reading measured
+    probes: int = 0  # the probe's measurements so far (the study's clock counts their seconds)
     _pending: list[tuple[int, int, torch.Tensor, tuple[int, int]]] = field(default_factory=list, repr=False)
     _recent: deque[torch.Tensor] = field(default_factory=lambda: deque(maxlen=MAX_HALF_WINDOW), repr=False)
     _open: list[_Window] = field(default_factory=list, repr=False)
@@ -160,6 +161,7 @@ class NoiseScale:
         `half_window` steps later. No tensor op unless a window completes; nothing here waits for
         the device."""
         self.steps += 1
+        self.probes += measured is not None
         self._recent.append(norm)
         if self._open:
             self._close_windows(norm)
@@ -230,7 +232,8 @@ class NoiseScale:
         """The epoch row's gns.* keys (NaN until defined), none when disabled."""
         if not self.enabled:
             return {}
-        return {"gns.b_simple": self.b_simple, "gns.grad_sq": self.grad_sq, "gns.trace_sigma": self.trace_sigma}
+        return {"gns.b_simple": self.b_simple, "gns.grad_sq": self.grad_sq, "gns.trace_sigma": self.trace_sigma,
+                "gns.probes": float(self.probes)}  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values for the checkpoint (call after `settle`; reading the windows syncs once):
@@ -241,7 +244,7 @@ class NoiseScale:
             [w.step, *w.values.tolist(), *w.sizes, torch.stack(w.norms).float().tolist(), w.to_come] for w in self._open
         ]
         return {"steps": self.steps, "grad_sq_ema": self.grad_sq_ema, "trace_ema": self.trace_ema,
-                "weight": self.weight, "measured_step": self.measured_step, "recent": recent,
+                "weight": self.weight, "measured_step": self.measured_step, "probes": self.probes, "recent": recent,
                 "open": waiting}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -253,6 +256,7 @@ class NoiseScale:
         self.grad_sq_ema, self.trace_ema = float(state["grad_sq_ema"]), float(state["trace_ema"])
         self.weight = float(state["weight"])
         self.measured_step = float(state.get("measured_step", math.nan))
+        self.probes = int(state.get("probes", 0))
         self._recent.extend(torch.tensor(v) for v in state["recent"])
         self._open = [
             _Window(

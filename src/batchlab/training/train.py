@@ -202,20 +202,14 @@ def _epoch(
     """One epoch's optimizer steps (EpochSteps). Steps take `order`'s rows batch by batch; the rows
     too few for a whole batch wait for the next epoch's order. `state` counts the steps and
     examples across epochs and resumes."""
-    x_train, y_train = train
     net.train()
     done = EpochSteps()
     scoring_seconds = 0.0  # kept out of samples_per_s, as the end-of-epoch validation is
     started = time.perf_counter()
     start, batch = 0, adapt.batches.batch if adapt is not None else tc.batch_size
     while start + batch <= order.shape[0]:
-        for rows in strategy.micro_batches(net, order[start : start + batch]):
-            inputs, targets = x_train[rows], y_train[rows]
-            with strategy.autocast():
-                loss = F.cross_entropy(net(inputs), targets)
-            strategy.backward(loss, inputs, targets)
-            done.losses.append(loss.detach())
-        done.norms.append(strategy.step(trainee.optimizer))
+        rows = order[start : start + batch]
+        done.norms.append(train_step(net, strategy, trainee.optimizer, train, rows, done.losses))
         trainee.schedule.step()
         start, state.steps, state.examples = start + batch, state.steps + 1, state.examples + batch
         if tc.eval_every_steps and state.steps % tc.eval_every_steps == 0:
@@ -230,6 +224,27 @@ def _epoch(
             batch = adapt.decide(state.steps, state.examples, trainee)
     done.seconds = time.perf_counter() - started - scoring_seconds
     return done
+
+
+def train_step(
+    net: nn.Module,
+    strategy: Strategy,
+    optimizer: torch.optim.Optimizer,
+    train: tuple[torch.Tensor, torch.Tensor],
+    batch: torch.Tensor,
+    losses: list[torch.Tensor],
+) -> torch.Tensor:
+    """One optimizer step on the train rows `batch` (their indices): each micro-batch's forward and
+    backward, its loss appended to `losses` (on the device), then the step. Returns the gradient's
+    norm. The loop and the throughput table (throughput.py) time the same step."""
+    x_train, y_train = train
+    for rows in strategy.micro_batches(net, batch):
+        inputs, targets = x_train[rows], y_train[rows]
+        with strategy.autocast():
+            loss = F.cross_entropy(net(inputs), targets)
+        strategy.backward(loss, inputs, targets)
+        losses.append(loss.detach())
+    return strategy.step(optimizer)
 
 
 def _result(

@@ -1,0 +1,88 @@
+"""The sweep's clock: the throughput table (training/throughput.py), measured side by side as the
+sweep's first step and read by every figure in seconds (samples/s, seconds to the target, the
+verdict's fastest, the recommendation).
+
+It is kept in sweep/throughput.json (the sweep folder is DVC's, persisted), keyed by what a step's
+speed depends on: the model, the data's shape, the strategy, precision, device, optimizer and
+threads, the machine and the code. A resumed or re-reported sweep reads the same table, so its
+seconds are the same; a change of any of those measures it anew. reports/sweep/throughput.json is
+the report's copy.
+
+DDP and FSDP sweeps keep each experiment's own epochs' median: the table times one process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from batchlab import atomic, data
+from batchlab.config import Config
+from batchlab.paths import Paths
+from batchlab.sweep.plan import Experiment, code_hash
+from batchlab.training import threads, throughput
+from batchlab.training.throughput import Table
+
+log = logging.getLogger(__name__)
+
+TABLE = "throughput.json"
+
+
+def table_path(paths: Paths) -> Path:
+    return paths.outputs / "sweep" / TABLE
+
+
+def batch_sizes(experiments: list[Experiment]) -> list[int]:
+    """Every batch size a sweep's experiments train at: the fixed ones, and each an adaptive run may
+    grow to (its start doubled up to its cap)."""
+    sizes = {e.batch_size for e in experiments if not e.adaptive}
+    for e in experiments:
+        if e.adaptive:
+            b = e.batch_size
+            while b <= (e.max_batch_size or b):
+                sizes.add(b)
+                b *= 2
+    return sorted(sizes)
+
+
+def table_key(cfg: Config, dataset: data.Dataset, sweep_threads: int) -> str:
+    tc = cfg.train
+    what = {
+        "model": cfg.model.model_dump(),
+        "data": [list(dataset.input_shape), dataset.n_classes, dataset.vocab, int(dataset.train.y.shape[0])],
+        "train": [tc.strategy, tc.precision, tc.device, tc.optimizer, tc.grad_accum_steps, tc.gns, sweep_threads],
+        "machine": throughput.machine(),
+        "code": code_hash(),
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def table_for(cfg: Config, paths: Paths, experiments: list[Experiment]) -> Table | None:
+    """The sweep's throughput table: the stored one while its key holds and it has every batch size,
+    else measured now (on the sweep's threads) and stored. None under DDP/FSDP."""
+    if cfg.train.strategy != "single":
+        log.info("sweep: samples/s from each experiment's own epochs (the throughput table times one process, "
+                 "not train.strategy %s)", cfg.train.strategy)  # fmt: skip
+        return None
+    dataset = data.load(paths.data)
+    n = threads.sweep_threads(cfg, data.shape(paths.data))
+    key, sizes, path = table_key(cfg, dataset, n), batch_sizes(experiments), table_path(paths)
+    if path.is_file():
+        stored = Table.from_dict(json.loads(path.read_text()))
+        if stored.key == key and all(stored.entry(b) is not None for b in sizes):
+            return stored
+    before = torch.get_num_threads()
+    threads.use_threads(n)
+    try:
+        log.info("sweep: timing batch sizes %s side by side (the throughput table)", ", ".join(map(str, sizes)))
+        table = throughput.measure(cfg, dataset, sizes, key, probe=cfg.train.gns)
+    finally:
+        threads.use_threads(before)
+    atomic.write_json(path, table.to_dict())
+    log.info("sweep: throughput table in %.1f s (load %.2f -> %.2f): %s", table.seconds, table.load_before[0],
+             table.load_after[0], ", ".join(f"{b}: {table.samples_per_s(b):.0f}/s" for b in sizes))  # fmt: skip
+    return table
