@@ -14,8 +14,9 @@ def text(clock: dict[str, Any]) -> str:
     probe = clock.get("probe")
     probe_line = (
         f" The noise probe takes {1e3 * sorted(probe['seconds'])[len(probe['seconds']) // 2]:.2f} ms a measurement "
-        "(timed in the same rounds); each experiment's seconds count its steps at its batch's speed and each probe "
-        "it took at this figure."
+        "(timed in the same rounds). Each experiment's seconds count its steps at its batch's speed; an adaptive "
+        "run's also count each probe it took at this figure (it decides on them), a fixed one's do not (the study "
+        "probes every experiment once an epoch to read the noise scale at the target: the study's cost)."
         if probe
         else " Each experiment's seconds count its steps at its batch's speed."
     )

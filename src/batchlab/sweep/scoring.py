@@ -26,18 +26,23 @@ log = logging.getLogger(__name__)
 RESULT_ARTIFACT = "sweep/result.json"
 
 
-def _epoch_totals(history: list[dict[str, float]], batch_size: int, clock: Table | None) -> dict[str, list[float]]:
+def _epoch_totals(
+    history: list[dict[str, float]], batch_size: int, clock: Table | None, adaptive: bool
+) -> dict[str, list[float]]:
     """Examples and training seconds since the start at each epoch's end: the seconds to the target
     (an adaptive run's throughput moves with its batch). An epoch's rows are its samples/s x its
     seconds. With the sweep's throughput table (`clock`) its seconds are its rows at the table's
-    speed for its batch, plus its noise probes at the table's seconds per probe: every experiment on
-    one clock, measured side by side. Without (DDP/FSDP), at the median samples/s of its epochs at
-    the same batch, so one epoch slowed by a busy machine moves them little."""
+    speed for its batch, every experiment on one clock measured side by side; an adaptive run's also
+    count its noise probes at the table's seconds per probe (it decides on them: what adapting
+    costs), a fixed one's do not (the study probes every experiment once an epoch to read the noise
+    scale at the target: the study's cost, not the batch size's). Without a table (DDP/FSDP), at the
+    median samples/s of its epochs at the same batch, so one epoch slowed by load moves them little."""
     rows = [round(h["samples_per_s"] * h["epoch_seconds"]) for h in history]
     batch = [int(h.get("batch_size", batch_size)) for h in history]  # an adaptive run's at the epoch's end
     if clock is not None:
         probes = [0.0] + [h.get("gns.probes", 0.0) for h in history]
-        seconds = [r / clock.samples_per_s(b) + (probes[i + 1] - probes[i]) * clock.probe_seconds
+        per_probe = clock.probe_seconds if adaptive else 0.0
+        seconds = [r / clock.samples_per_s(b) + (probes[i + 1] - probes[i]) * per_probe
                    for i, (r, b) in enumerate(zip(rows, batch, strict=True))]  # fmt: skip
     else:
         speeds: dict[int, list[float]] = {}
@@ -104,7 +109,7 @@ def score(
         "curve_steps": [int(v) for v in _floats(curve, "step")],
         "curve_examples": [int(v) for v in _floats(curve, "examples")],
         # cumulative examples and training seconds at each epoch's end: the seconds to the target
-        **_epoch_totals(history, exp.batch_size, clock),
+        **_epoch_totals(history, exp.batch_size, clock, exp.adaptive),
         "clock": "table" if clock is not None else "epochs",  # what those seconds were counted on
         "batch_schedule": trained.info.get("batch_schedule", []),
         "curve_val_loss": _floats(curve, "val_loss"),
