@@ -86,6 +86,8 @@ class FullSplitMeasure:
     # the mean over sampled rows of |g_row|², one mask each (E: |G|² + tr(Σ)): the reading is then
     # complete at the probe, all at its weights (`per_row_estimate`)
     row_sq: torch.Tensor | None = None
+    row_sq_var: torch.Tensor | None = None  # the variance of row_sq over the rows drawn: the reading's standard error
+    cross_var: torch.Tensor | None = None  # the variance of `cross` from the masks (gns_probes._cross_variance)
 
 
 def full_split_estimate(
@@ -122,6 +124,20 @@ def per_row_estimate(
     return grad_sq, row_sq - grad_sq
 
 
+def standard_error(grad_sq: float, trace: float, cross_var: float, row_sq_var: float) -> float:
+    """The standard error of one reading's B_simple = tr(Σ)/|G|² = R/|G|² - 1, R = row_sq the rows'
+    mean squared norm, by the delta method (NaN where the rows' own gradients were not taken):
+    - R: its variance over the rows drawn (`row_sq_var`, measured from their spread);
+    - |G|² = ḡ¹·ḡ² over the split, two mask draws ḡⁱ = G + eⁱ with Cov(eⁱ) = C: Var = 2 GᵀCG +
+      tr(C²) (`cross_var`, measured from the passes' difference slice by slice).
+    The two come from separate draws (the rows' masks and the passes' masks)."""
+    if not (math.isfinite(row_sq_var) and math.isfinite(cross_var)) or grad_sq <= 0 or trace <= 0:
+        return math.nan
+    var_grad_sq = max(cross_var, 0.0)
+    row_sq = trace + grad_sq
+    return row_sq / grad_sq * math.sqrt(max(row_sq_var, 0.0) / row_sq**2 + var_grad_sq / grad_sq**2)
+
+
 @dataclass
 class _Window:
     """A probe's measurement waiting for the steps after it."""
@@ -149,6 +165,7 @@ class NoiseScale:
     steps_settled: int = 0  # `steps` at the last settle: where the next trajectory starts
     measured_step: float = math.nan  # the step whose weights the latest reading measured
     probes: int = 0  # the probe's measurements so far (the study's clock counts their seconds)
+    se: float = math.nan  # the latest reading's standard error (`standard_error`; NaN: none)
     _pending: list[tuple[int, int, torch.Tensor, tuple[int, int]]] = field(default_factory=list, repr=False)
     _recent: deque[torch.Tensor] = field(default_factory=lambda: deque(maxlen=MAX_HALF_WINDOW), repr=False)
     _open: list[_Window] = field(default_factory=list, repr=False)
@@ -166,7 +183,11 @@ class NoiseScale:
         if self._open:
             self._close_windows(norm)
         if measured is not None and measured.row_sq is not None:  # complete now: batch 0 marks it
-            values = torch.stack([measured.cross.float(), measured.half_diff_sq.float(), measured.row_sq.float()])
+            nan = torch.full_like(measured.row_sq, math.nan)
+            var = measured.row_sq_var if measured.row_sq_var is not None else nan
+            cross_var = measured.cross_var if measured.cross_var is not None else nan
+            values = torch.stack([measured.cross.float(), measured.half_diff_sq.float(), measured.row_sq.float(),
+                                  var.float(), cross_var.float()])  # fmt: skip
             self._pending.append((self.steps, self.steps - 1, values, (measured.rows, 0)))
         elif measured is not None:
             values = torch.stack([measured.cross.float(), measured.half_diff_sq.float()])
@@ -181,7 +202,7 @@ class NoiseScale:
             if window.to_come == 0:
                 stacked = torch.stack(window.norms).float()
                 steps_sq = (torch.dot(stacked, stacked) / stacked.shape[0]).view(1)
-                values = torch.cat([window.values, steps_sq])
+                values = torch.cat([window.values, steps_sq, torch.full_like(steps_sq, math.nan).repeat(2)])
                 self._pending.append((self.steps, window.step - 1, values, window.sizes))
         self._open = [w for w in self._open if w.to_come > 0]
 
@@ -200,12 +221,15 @@ class NoiseScale:
             return start
         values = torch.stack([v for _, _, v, _ in pending]).tolist()
         steps, b_simple, measured = list(start.steps), list(start.b_simple), list(start.measured)
-        for (step, at, _, (rows, batch)), (cross, half_diff_sq, squares) in zip(pending, values, strict=True):
+        for (step, at, _, (rows, batch)), (cross, half_diff_sq, squares, var, cross_var) in zip(
+            pending, values, strict=True
+        ):
             if batch == 0:  # the rows' own gradients at the probe's weights
                 g, t = per_row_estimate(cross, half_diff_sq, squares, rows, self.population)
             else:  # the steps' norms around it
                 g, t = full_split_estimate(cross, half_diff_sq, squares, rows, batch, self.population)
             if math.isfinite(g) and math.isfinite(t):  # a skipped (non-finite) step measures nothing
+                self.se = standard_error(g, t, cross_var, var)
                 self.grad_sq_ema = self.decay * self.grad_sq_ema + (1 - self.decay) * g
                 self.trace_ema = self.decay * self.trace_ema + (1 - self.decay) * t
                 self.weight = self.decay * self.weight + (1 - self.decay)
@@ -232,8 +256,8 @@ class NoiseScale:
         """The epoch row's gns.* keys (NaN until defined), none when disabled."""
         if not self.enabled:
             return {}
-        return {"gns.b_simple": self.b_simple, "gns.grad_sq": self.grad_sq, "gns.trace_sigma": self.trace_sigma,
-                "gns.probes": float(self.probes)}  # fmt: skip
+        return {"gns.b_simple": self.b_simple, "gns.b_simple_se": self.se, "gns.grad_sq": self.grad_sq,
+                "gns.trace_sigma": self.trace_sigma, "gns.probes": float(self.probes)}  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values for the checkpoint (call after `settle`; reading the windows syncs once):
@@ -244,8 +268,8 @@ class NoiseScale:
             [w.step, *w.values.tolist(), *w.sizes, torch.stack(w.norms).float().tolist(), w.to_come] for w in self._open
         ]
         return {"steps": self.steps, "grad_sq_ema": self.grad_sq_ema, "trace_ema": self.trace_ema,
-                "weight": self.weight, "measured_step": self.measured_step, "probes": self.probes, "recent": recent,
-                "open": waiting}  # fmt: skip
+                "weight": self.weight, "measured_step": self.measured_step, "probes": self.probes, "se": self.se,
+                "recent": recent, "open": waiting}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:  # a fresh run, or a checkpoint from before the noise scale
@@ -257,6 +281,7 @@ class NoiseScale:
         self.weight = float(state["weight"])
         self.measured_step = float(state.get("measured_step", math.nan))
         self.probes = int(state.get("probes", 0))
+        self.se = float(state.get("se", math.nan))
         self._recent.extend(torch.tensor(v) for v in state["recent"])
         self._open = [
             _Window(

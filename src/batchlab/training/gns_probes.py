@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 # many drawn afresh each time); per pass, FULL_SPLIT_CHUNK rows at a time (its memory)
 FULL_SPLIT_ROWS = 4096
 FULL_SPLIT_CHUNK = 1024
+# each pass's gradient is summed in PARTS slices of the rows: the spread of the passes' difference
+# over them gives the variance of the |G|² reading (a reading's standard error)
+PARTS = 8
 # its period, from a cost model fitted in bench_gns (MLP [64, 64], 1 thread): a step over B rows
 # costs about (DISPATCH_ROWS + B) rows' worth (~0.39 ms fixed, ~1.9 µs a row), a pass over M rows
 # about (DISPATCH_ROWS + M), so measuring every k-th step costs passes·(DISPATCH_ROWS + M) /
@@ -117,7 +120,8 @@ class FullSplitProbe:
         with torch.random.fork_rng(devices=devices):
             if self.rng is not None:  # dropout draws from the global RNG: give it this seed's state
                 torch.set_rng_state(self.rng.get_state())
-            sums = torch.stack([self._summed_gradient(x, y) for _ in range(self.passes)])
+            parts = min(PARTS, x.shape[0])  # every rank the same count: DDP sums part by part
+            sums = torch.stack([self._summed_gradient(x, y, parts) for _ in range(self.passes)])
             squares = self._row_squares(step, x, y)
         with torch.no_grad():
             for saved, live in zip(buffers, self.model.buffers(), strict=True):
@@ -126,14 +130,21 @@ class FullSplitProbe:
             dist.all_reduce(sums)
             if squares is not None:  # the same model on every rank: all take it, or none
                 dist.all_reduce(squares)
-        first, second = sums[0] / rows, sums[-1] / rows
+        first, second = sums[0].sum(0) / rows, sums[-1].sum(0) / rows
         half_diff_sq = (first - second).square().sum() / 2 if self.passes > 1 else torch.zeros((), device=x.device)
+        cross_var = _cross_variance((sums[0] - sums[-1]) / rows, (first + second) / 2)
         half_window = max(1, min(self.every // 2, MAX_HALF_WINDOW))
-        row_sq = None if squares is None else squares[0] / squares[1]  # None: tr(Σ) from the steps' norms
-        return FullSplitMeasure(torch.dot(first, second), half_diff_sq, rows, half_window, row_sq)
+        if squares is None:  # tr(Σ) from the steps' norms
+            return FullSplitMeasure(torch.dot(first, second), half_diff_sq, rows, half_window, cross_var=cross_var)
+        count, row_sq = squares[1], squares[0] / squares[1]
+        # the variance of that mean over rows drawn without replacement from the `rows` probed
+        spread = (squares[2] / count - row_sq.square()) * count / (count - 1).clamp(min=1)
+        row_sq_var = spread / count * (1 - count / rows) * rows / max(rows - 1, 1)
+        return FullSplitMeasure(torch.dot(first, second), half_diff_sq, rows, half_window, row_sq, row_sq_var,
+                                cross_var)  # fmt: skip
 
     def _row_squares(self, step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        """[sum of sampled rows' |g_row|², their count] on this rank, or None for a model whose forward
+        """[sum of sampled rows' |g_row|², their count, sum of |g_row|⁴] on this rank, or None for a model whose forward
         torch.func cannot run one row at a time (`.item()`, data-dependent control flow): told once,
         its tr(Σ) then comes from the steps' own gradient norms around the probe, as before."""
         if self.rows_fail is not None:
@@ -148,24 +159,45 @@ class FullSplitProbe:
             log.warning("noise scale: the rows' own gradients need a forward torch.func.vmap can run (%s); "
                         "tr(Σ) comes from the steps' gradient norms instead", self.rows_fail)  # fmt: skip
             return None
-        return torch.stack([total, torch.tensor(float(share), device=x.device)])
+        return torch.stack([total[0], torch.tensor(float(share), device=x.device), total[1]])
 
-    def _summed_gradient(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        total: torch.Tensor | None = None
-        for start in range(0, x.shape[0], FULL_SPLIT_CHUNK):
-            xs, ys = x[start : start + FULL_SPLIT_CHUNK], y[start : start + FULL_SPLIT_CHUNK]
-            with torch.enable_grad():  # the loss summed over the chunk's rows
-                loss = self.loss_fn(self.model(xs).float(), ys) * xs.shape[0]
-                parts = torch.autograd.grad(loss, self.params)
-            flat = torch.cat([g.reshape(-1) for g in parts]).float()
-            total = flat if total is None else total + flat
-        assert total is not None
-        return total
+    def _summed_gradient(self, x: torch.Tensor, y: torch.Tensor, parts: int) -> torch.Tensor:
+        """The loss's gradient summed over each of `parts` slices of the rows: [parts, parameters]
+        (their sum is the split's; apart, their masks' noise is `_cross_variance`'s)."""
+        sums = []
+        for xp, yp in zip(x.tensor_split(parts), y.tensor_split(parts), strict=True):
+            total: torch.Tensor | None = None
+            for start in range(0, xp.shape[0], FULL_SPLIT_CHUNK):
+                xs, ys = xp[start : start + FULL_SPLIT_CHUNK], yp[start : start + FULL_SPLIT_CHUNK]
+                with torch.enable_grad():  # the loss summed over the chunk's rows
+                    loss = self.loss_fn(self.model(xs).float(), ys) * xs.shape[0]
+                    grads = torch.autograd.grad(loss, self.params)
+                flat = torch.cat([g.reshape(-1) for g in grads]).float()
+                total = flat if total is None else total + flat
+            assert total is not None
+            sums.append(total)
+        return torch.stack(sums)
+
+
+def _cross_variance(diffs: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """The variance of ḡ¹·ḡ² from the masks, 2·GᵀCG + tr(C²) (C: the covariance of a pass's mean
+    gradient over its masks), from the two passes' difference in each slice of rows (`diffs`,
+    [parts, parameters]: d_k, independent across slices, Σ_k Cov(d_k) = 2C) and their mean ḡ ≈ G:
+    GᵀCG = E Σ_k (d_k·G)² / 2 and tr(C²) = E Σ_{j≠k} (d_j·d_k)² / (4 (1 - 1/K)) with equal slices.
+    0 with one pass (no dropout: no masks' noise)."""
+    parts = diffs.shape[0]
+    if parts < 2 or not bool(diffs.any()):
+        return torch.zeros((), device=diffs.device)
+    along = (diffs @ mean).square().sum() / 2
+    gram = (diffs @ diffs.T).square()
+    trace_cc = (gram.sum() - gram.diagonal().sum()) / (4 * (1 - 1 / parts))
+    return 2 * along + trace_cc
 
 
 def row_squares(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The sum over the rows (x, y) of the squared norm of each row's own gradient at the model's
-    weights, one dropout mask a row (vmap over grad, ROW_CHUNK rows at a time), in fp32."""
+    """[Σ |g_row|², Σ |g_row|⁴] over the rows (x, y), each row's own gradient at the model's weights,
+    one dropout mask a row (vmap over grad, ROW_CHUNK rows at a time), in fp32: the mean squared
+    norm and its spread over rows (a reading's standard error)."""
     params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
     buffers = dict(model.named_buffers())
 
@@ -173,8 +205,9 @@ def row_squares(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
         return loss_fn(functional_call(model, (p, buffers), (xi.unsqueeze(0),)).float(), yi.unsqueeze(0))
 
     per_row = vmap(grad(one_loss), in_dims=(None, 0, 0), randomness="different")
-    total = torch.zeros((), device=x.device)
+    total = torch.zeros(2, device=x.device)
     for start in range(0, x.shape[0], ROW_CHUNK):
         grads = per_row(params, x[start : start + ROW_CHUNK], y[start : start + ROW_CHUNK])
-        total = total + torch.stack([g.float().square().sum() for g in grads.values()]).sum()
+        per = torch.stack([g.float().square().flatten(1).sum(1) for g in grads.values()]).sum(0)  # |g_row|²
+        total = total + torch.stack([per.sum(), per.square().sum()])
     return total
