@@ -17,7 +17,7 @@ from batchlab.config import Config, load_config
 from batchlab.data import Dataset, build
 from batchlab.data import load as load_data
 from batchlab.paths import Paths
-from batchlab.training import gns, gns_probes
+from batchlab.training import gns, gns_estimates, gns_probes
 from batchlab.training.gns import NoiseScale
 from batchlab.training.gns_exact import exact_noise_scale
 from batchlab.training.strategy import Strategy
@@ -84,7 +84,7 @@ def test_full_split_estimate_recovers_a_known_noise_scale(rows: int, probe_rows:
         idx = torch.randperm(rows, generator=gen)[:probe_rows]
         first, second = mean_gradient(idx), mean_gradient(idx)
         steps = [mean_gradient(torch.randperm(rows, generator=gen)[:batch]).square().sum() for _ in range(8)]
-        estimates.append(gns.full_split_estimate(
+        estimates.append(gns_estimates.full_split_estimate(
             float(first @ second), float((first - second).square().sum() / 2), float(torch.stack(steps).mean()),
             probe_rows, batch, rows,
         ))  # fmt: skip
@@ -97,7 +97,7 @@ def test_a_resumed_run_reads_what_an_unbroken_one_does() -> None:
     # the windows open across a checkpoint: the steps' norms before it and the measurement waiting
     gen = torch.Generator().manual_seed(2)
     norms = [torch.rand((), generator=gen) + 1 for _ in range(40)]
-    measure = gns.FullSplitMeasure(torch.tensor(0.5), torch.tensor(0.01), 100, half_window=6)
+    measure = gns_estimates.FullSplitMeasure(torch.tensor(0.5), torch.tensor(0.01), 100, half_window=6)
 
     def run(noise: NoiseScale, steps: range) -> list[float]:
         for step in steps:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchlab import atomic, cli, data, stages
+from batchlab import cli, data, stages
 from batchlab.audit import noise
 from batchlab.model import load_model
 from batchlab.paths import Paths
@@ -96,5 +97,7 @@ def test_noise_scale_command_reports_the_exact_value_of_the_saved_model(
     expected = exact_noise_scale(model.train(), F.cross_entropy, x, y, draws=4)
     text = noise.report(paths, draws=4)
     assert f"exact B_simple = {expected.b_simple:.1f}" in text and "4 dropout masks a row" in text
-    logged = float(atomic.read_csv(paths.reports / "history.csv")[-1]["gns.b_simple"])
-    assert f"= {logged:.1f}: {logged / expected.b_simple:.2f}x exact" in text
+    saved = json.loads((paths.reports / "train_summary.json").read_text())["gns_at_saved_weights"]
+    assert saved["probes"] == 4 and saved["b_simple_ci95_low"] < saved["b_simple"] < saved["b_simple_ci95_high"]
+    ratio = saved["b_simple"] / expected.b_simple
+    assert f"at the same weights = {saved['b_simple']:.1f}" in text and f": {ratio:.2f}x exact" in text

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from batchlab.training.gns import MAX_HALF_WINDOW, FullSplitMeasure
+from batchlab.training.gns import MAX_HALF_WINDOW
+from batchlab.training.gns_estimates import FullSplitMeasure, Reading, pooled
 from batchlab.training.gns_exact import is_stochastic
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,10 @@ FULL_SPLIT_MIN_EVERY = 5
 # random batch's once a model memorizes its rows. A row's gradient costs ~6 rows of a batched
 # pass (gns_exact: ~12 µs against ~1.9 µs)
 ROW_SAMPLE = 512
+# the reading at the saved weights: this many measurements pooled (each |G|² late in training reads
+# within ~±35% alone, 1 standard error), their rows drawn as a step past any training's would
+SAVED_PROBES = 4
+SAVED_STEP = 10**9
 ROW_CHUNK = 64
 ROW_COST = 6
 
@@ -109,6 +114,10 @@ class FullSplitProbe:
         start = self.every if self.first is None else self.first
         if step < start or (step - start) % self.every:
             return None
+        return self.measure(step)
+
+    def measure(self, step: int) -> FullSplitMeasure:
+        """A measurement at the current weights now, its rows drawn by `step` (and rank)."""
         x, y = self.x, self.y
         if x.shape[0] > self.rows_per_pass:  # the same rows on every rank: one generator, one seed
             pick = torch.randperm(x.shape[0], generator=self.draw, device=x.device)[: self.rows_per_pass]
@@ -133,13 +142,16 @@ class FullSplitProbe:
         first, second = sums[0].sum(0) / rows, sums[-1].sum(0) / rows
         half_diff_sq = (first - second).square().sum() / 2 if self.passes > 1 else torch.zeros((), device=x.device)
         cross_var = _cross_variance((sums[0] - sums[-1]) / rows, (first + second) / 2)
-        half_window = max(1, min(self.every // 2, MAX_HALF_WINDOW))
+        half_window = max(1, min((self.every or 2) // 2, MAX_HALF_WINDOW))
         if squares is None:  # tr(Σ) from the steps' norms
             return FullSplitMeasure(torch.dot(first, second), half_diff_sq, rows, half_window, cross_var=cross_var)
         count, row_sq = squares[1], squares[0] / squares[1]
-        # the variance of that mean over rows drawn without replacement from the `rows` probed
+        # the variance of that mean: over the rows drawn without replacement from the `rows` probed
+        # (the finite-population factor), and over each row's one mask, which no factor shrinks: with
+        # masks, the spread over rows is taken whole (it holds both: the interval errs wide)
         spread = (squares[2] / count - row_sq.square()) * count / (count - 1).clamp(min=1)
-        row_sq_var = spread / count * (1 - count / rows) * rows / max(rows - 1, 1)
+        finite = (1 - count / rows) * rows / max(rows - 1, 1) if self.passes == 1 else 1.0
+        row_sq_var = spread / count * finite
         return FullSplitMeasure(torch.dot(first, second), half_diff_sq, rows, half_window, row_sq, row_sq_var,
                                 cross_var)  # fmt: skip
 
@@ -177,6 +189,18 @@ class FullSplitProbe:
             assert total is not None
             sums.append(total)
         return torch.stack(sums)
+
+
+def at_saved_weights(probe: FullSplitProbe, population: int | None, probes: int = SAVED_PROBES) -> Reading | None:
+    """The noise scale at the weights training keeps (the best epoch's, models/model.pt), pooled
+    over `probes` measurements there: the figure `batchlab noise-scale` holds to the exact value at
+    the same weights. None where the rows' own gradients cannot be taken (no standard error, and
+    the steps' norms around a probe belong to other weights). Every DDP rank calls it (the probe
+    all-reduces)."""
+    measures = [probe.measure(SAVED_STEP + i) for i in range(probes)]
+    if any(m.row_sq is None for m in measures):
+        return None
+    return pooled(measures, population)
 
 
 def _cross_variance(diffs: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchlab import atomic, data, tracking
@@ -22,6 +23,7 @@ from batchlab.training import launch, threads
 from batchlab.validate import batch_fits
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from batchlab.training.train import TrainResult
@@ -58,7 +60,6 @@ def write_trained(cfg: Config, paths: Paths, result: TrainResult, dataset: data.
 
     from batchlab.model import save_model
     from batchlab.training.checkpoint import discard
-    from batchlab.training.train import write_curves
 
     save_model(paths.model, result.model, cfg.model, dataset.input_shape, dataset.class_names, dataset.vocab)
     atomic.write_csv(paths.reports / "history.csv", result.history)
@@ -66,6 +67,22 @@ def write_trained(cfg: Config, paths: Paths, result: TrainResult, dataset: data.
     summary = {**result.summary(), "torch_threads": torch.get_num_threads()}
     atomic.write_json(paths.reports / "train_summary.json", summary)
     discard(paths.checkpoint)  # the file, or the sharded folder beside it
+
+
+def write_curves(result: TrainResult, val_curve_csv: Path, weights_file: Path) -> None:
+    """The val curve (train.eval_every_steps) and the weights at its points (train.curve_weights),
+    or neither file where the run kept none: no stale file from an earlier run."""
+    from batchlab.model import save_torch
+
+    if result.val_curve:
+        atomic.write_csv(val_curve_csv, result.val_curve)
+    else:
+        val_curve_csv.unlink(missing_ok=True)
+    if result.curve_weights:
+        steps, weights = zip(*result.curve_weights, strict=True)
+        save_torch(weights_file, {"steps": list(steps), "weights": torch.stack(weights)})
+    else:
+        weights_file.unlink(missing_ok=True)
 
 
 def rank_args(cfg: Config, paths: Paths) -> list[str]:

@@ -34,6 +34,7 @@ from batchlab.training.epochs import (
     val_curve_points,
 )
 from batchlab.training.gns import NoiseScale
+from batchlab.training.gns_probes import at_saved_weights
 from batchlab.training.optim import make_optimizer, make_schedule, steps_per_epoch
 from batchlab.training.strategy import Strategy
 from batchlab.validate import batch_fits
@@ -57,28 +58,17 @@ class TrainResult:
     curve_weights: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     # train.adaptive_batch: its decisions (step, examples, b_noise, from, to, gain, reason)
     batch_schedule: list[dict[str, Any]] = field(default_factory=list)
+    # the noise scale at the weights kept (gns_probes.at_saved_weights): B_simple, its standard
+    # error and 95% interval, |G|², tr(Σ), the probes pooled; {} where not measured
+    noise_at_saved: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """train_summary.json's figures of the run."""
-        figures = {"best_epoch": self.best_epoch, "epochs_run": len(self.history), "stopped_early": self.stopped_early}
+        figures: dict[str, Any] = {"best_epoch": self.best_epoch, "epochs_run": len(self.history),
+                                   "stopped_early": self.stopped_early}  # fmt: skip
+        if self.noise_at_saved:
+            figures["gns_at_saved_weights"] = self.noise_at_saved
         return figures | ({"batch_schedule": self.batch_schedule} if self.batch_schedule else {})
-
-
-def write_curves(result: TrainResult, val_curve_csv: Path, weights_file: Path) -> None:
-    """The val curve (train.eval_every_steps) and the weights at its points (train.curve_weights),
-    or neither file where the run kept none: no stale file from an earlier run."""
-    from batchlab import atomic
-    from batchlab.model import save_torch
-
-    if result.val_curve:
-        atomic.write_csv(val_curve_csv, result.val_curve)
-    else:
-        val_curve_csv.unlink(missing_ok=True)
-    if result.curve_weights:
-        steps, weights = zip(*result.curve_weights, strict=True)
-        save_torch(weights_file, {"steps": list(steps), "weights": torch.stack(weights)})
-    else:
-        weights_file.unlink(missing_ok=True)
 
 
 def fingerprint(cfg: Config, dataset: Dataset) -> str:
@@ -264,6 +254,7 @@ def _result(
     if batches is not None and strategy.is_main:
         log.info("adaptive batch schedule: %s", batches.summary())
     trainee.model.load_state_dict(trainee.best_weights)
+    saved = at_saved_weights(strategy.probe, dataset.train.y.shape[0]) if strategy.probe is not None else None
     model = strategy.unwrap(trainee.model).eval()
     return TrainResult(
         model=model,
@@ -273,6 +264,7 @@ def _result(
         val_curve=state.val_curve,
         curve_weights=kept,
         batch_schedule=batches.decisions if batches is not None else [],
+        noise_at_saved=saved.figures() if saved is not None else {},
     )
 
 
