@@ -208,7 +208,8 @@ COMMANDS: dict[str, Command] = {
         "Reads params.yaml's model, train and sweep sections, data/prepared/, usermodels/. Writes sweep/ "
         "(one folder per experiment, kept across runs so an interrupted sweep resumes) and "
         "reports/sweep/: reports/sweep/summary.md (the table, the verdict, the critical batch size), "
-        "reports/sweep/sweep.json (the headline figures), CSVs and plots; one MLflow parent run and a "
+        "reports/sweep/sweep.json (the headline figures), reports/sweep/throughput.json (every batch size's "
+        "speed, timed side by side first: the study's clock), CSVs and plots; one MLflow parent run and a "
         "child run per experiment.",
         _sweep,
     ),

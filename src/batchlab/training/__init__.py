@@ -9,8 +9,10 @@
     sharded     FSDP2: fully_shard, the norm from shards, DCP checkpoints
     checkpoint  atomic per-epoch checkpoints, exact resume
     resume      a resumed training continues its MLflow run
-    gns         the gradient noise scale B_simple: estimators, EMAs
-    gns_probes  its probe: the train split's mean gradient at fixed weights
+    gns         the gradient noise scale B_simple over a run: its readings, settled once an epoch
+    gns_estimates  what one probe reads: |G|², tr(Σ), the standard error; readings pooled
+    gns_probes  its probe: the train split's mean gradient at fixed weights; the saved weights' reading
+    throughput  every batch size's step timed side by side: the study's clock, the adaptive rule's t(B)
     gns_exact   the exact value, from every row's own gradient
     memory      the tensor peak of one training step
     peaks       the process's peak memory (CUDA allocations or RSS)
