@@ -13,17 +13,20 @@ import torch
 from mlflow import MlflowClient
 from scipy.optimize import brentq
 
+from batchlab import atomic
 from batchlab.config import ConfigError
 from batchlab.data import Dataset
 from batchlab.paths import Paths
-from batchlab.training.adaptive import BatchSchedule, gain_of_growing
+from batchlab.sweep import speeds
+from batchlab.training.adaptive import BatchSchedule, gain_of_growing, lower_bound
 from batchlab.training.strategy import Strategy
+from batchlab.training.throughput import Table
 from batchlab.training.train import fit
 from tests.support import run, set_params, tiny_config
 from tests.support.models import BATCHNORM
 
 CPU = Strategy(torch.device("cpu"))
-GROWS = {"epochs": 8, "batch_size": 8, "adaptive_batch": True, "adapt_every_steps": 20}
+GROWS = {"epochs": 8, "batch_size": 8, "adaptive_batch": True, "adapt_rule": "statistical", "adapt_every_examples": 160}
 
 
 def _grow_ratio(threshold: float) -> float:
@@ -81,9 +84,10 @@ def test_a_rising_noise_scale_grows_the_batch_and_the_lr_follows(tiny_dataset: D
     changes = [d for d in result.batch_schedule if d["to"] != d["from"]]
     assert len(changes) >= 2, result.batch_schedule
     ratio = _grow_ratio(0.05)
-    for decision in result.batch_schedule:  # every decision is the rule's on the reading it had
+    for decision in result.batch_schedule:  # every decision is the rule's on its reading's lower bound
         grew = decision["to"] == 2 * decision["from"]
-        assert grew == (decision["b_noise"] > ratio * decision["from"]), decision
+        assert decision["b_noise_low"] == lower_bound(decision["b_noise"], decision["b_noise_se"])
+        assert grew == (decision["b_noise_low"] > ratio * decision["from"]), decision
         assert decision["examples"] == _examples_at(decision["step"], changes, 8)
     readings = [d["b_noise"] for d in result.batch_schedule]
     assert readings[-1] > 10 * readings[0]  # the noise scale rose: why the batch grew
@@ -125,8 +129,9 @@ def test_a_noise_scale_below_the_batch_holds_it_and_trains_as_the_fixed_batch(ti
     """Early in training |G|² is large: B_noise (~10 here) stays well below 64 for the first
     epochs, so nothing changes, and the run is the fixed-batch run, weight for weight (the
     schedule in examples gives the per-step schedule's factors exactly)."""
-    train = {"epochs": 2, "batch_size": 64, "adapt_every_steps": 2}
-    held = fit(tiny_config(train={**train, "adaptive_batch": True}), tiny_dataset, CPU)
+    train = {"epochs": 2, "batch_size": 64}
+    adaptive = {"adaptive_batch": True, "adapt_rule": "statistical", "adapt_every_examples": 128}
+    held = fit(tiny_config(train={**train, **adaptive}), tiny_dataset, CPU)
     assert len(held.batch_schedule) >= 6 and all(d["to"] == 64 for d in held.batch_schedule)
     assert all(d["b_noise"] < 64 for d in held.batch_schedule if math.isfinite(d["b_noise"]))
     fixed = fit(tiny_config(train=train), tiny_dataset, CPU)
@@ -155,7 +160,8 @@ def test_an_interrupted_adaptive_run_resumes_to_the_uninterrupted_weights(
     ("key", "value", "message"),
     [
         ("max_batch_size", 16, "train.max_batch_size (16) is below train.batch_size (32)"),
-        ("adapt_every_steps", 0, "train.adapt_every_steps: Input should be greater than 0"),
+        ("adapt_every_examples", 0, "train.adapt_every_examples: Input should be greater than 0"),
+        ("adapt_step_time", [1e-4], "train.adapt_step_time must be [a, b]"),
         ("gns", False, "train.adaptive_batch reads the measured noise scale: set train.gns: true"),
         ("strategy", "fsdp", "train.adaptive_batch needs the noise probe, which FSDP has not: use single or ddp"),
     ],
@@ -181,7 +187,8 @@ def test_a_batchnorm_model_says_why_it_cannot_adapt(
 def test_ddp_takes_the_single_process_schedule_to_the_same_weights(repo_copy: Path) -> None:
     """Two gloo ranks read the same noise scale (the probe all-reduces, the norms are global), so
     they take the single process's decisions, each rank half of every batch."""
-    set_params(repo_copy, "train", adaptive_batch=True, batch_size=8, adapt_every_steps=20, epochs=6, threads=1)
+    set_params(repo_copy, "train", adaptive_batch=True, batch_size=8, adapt_rule="statistical",
+               adapt_every_examples=160, epochs=6, threads=1)  # fmt: skip
     run(["batchlab", "generate"], repo_copy)
     run(["batchlab", "train"], repo_copy)
     single = torch.load(repo_copy / "models/model.pt", weights_only=True)["state_dict"]
@@ -222,7 +229,7 @@ def test_the_studys_adaptive_row_is_scipys_paired_test_of_the_result_rows(tmp_pa
 
     cfg = tiny_config(
         sweep={"batch_sizes": [8, 32, 128], "seeds": [0, 1, 2], "epochs": 6, "adaptive": True},
-        train={"adapt_every_steps": 10},
+        train={"adapt_every_examples": 80, "adapt_rule": "statistical"},
     )
     stages.generate(cfg, Paths(tmp_path))
     run_sweep(cfg, Paths(tmp_path))
@@ -252,8 +259,21 @@ def test_the_studys_adaptive_row_is_scipys_paired_test_of_the_result_rows(tmp_pa
     while cut < len(ordered) and ordered[cut] <= 0.05 / (m - cut):
         cut += 1
     assert sum(c.measurable for c in study.adaptive.comparisons) == cut
-    # its seconds to the target: its own epochs' seconds, up to the examples that reached it
+    # its seconds: each epoch's rows at the throughput table's speed for its batch, plus each probe
+    # it took at the table's seconds per probe (it decides on them), up to the examples that reached it
+    table = Table.from_dict(json.loads((tmp_path / "sweep" / speeds.TABLE).read_text()))
+    assert {e.batch_size for e in table.entries} == {8, 16, 32, 64, 128} and table.probe_seconds > 0
     for r in study.adaptive.results:
+        history = atomic.read_csv(tmp_path / "sweep/experiments" / r["name"] / "reports/history.csv")
+        probes = [0.0] + [float(h["gns.probes"]) for h in history]
+        assert probes[-1] >= sum(1 for d in r["batch_schedule"] if math.isfinite(d["b_noise"]))  # one a decision
+        expected, total = [], 0.0
+        for i, h in enumerate(history):
+            rows = round(float(h["samples_per_s"]) * float(h["epoch_seconds"]))
+            total += rows / table.samples_per_s(int(float(h["batch_size"])))
+            total += (probes[i + 1] - probes[i]) * table.probe_seconds
+            expected.append(total)
+        assert r["epoch_train_seconds"] == pytest.approx(expected, rel=1e-9)
         i = next(k for k, e in enumerate(r["epoch_examples"]) if e >= r["examples_to_target"])
         assert r["seconds_to_target"] <= r["epoch_train_seconds"][i]
         assert i == 0 or r["seconds_to_target"] > r["epoch_train_seconds"][i - 1]

@@ -117,13 +117,20 @@ class TrainConfig(Section):
         0, description="also score the val split every this many optimizer steps (0 = once per epoch only)"
     )
     curve_weights: bool = Field(False, description="keep the weights at those val points (reports/curve_weights.pt)")
-    adaptive_batch: bool = Field(False, description="grow the batch x2 while training when the measured "
-        "noise scale says that saves steps + examples (docs/adaptive.md); train.batch_size starts it")  # fmt: skip
+    adaptive_batch: bool = Field(False, description="grow the batch by integer factors while training as the "
+        "measured noise scale rises (docs/adaptive.md); train.batch_size starts it")  # fmt: skip
     max_batch_size: PositiveInt | None = Field(None, description="adaptive_batch: the cap (null: the train split)")
-    adapt_every_steps: PositiveInt = Field(100, description="adaptive_batch: decide every this many optimizer steps")
-    adapt_threshold: Annotated[float, Field(ge=0, lt=1)] = Field(
-        0.05, description="adaptive_batch: grow only when that saves more than this fraction of steps + examples"
+    adapt_rule: Literal["time", "statistical"] = Field("time", description="adaptive_batch: time = the batch "
+        "that reaches a loss soonest, S(B)·t(B) on the measured step time; statistical: steps + examples")  # fmt: skip
+    adapt_every_examples: PositiveInt | None = Field(
+        None, description="adaptive_batch: decide every this many examples seen (null: one epoch of the train split)"
     )
+    adapt_step_time: list[Annotated[float, Field(ge=0)]] | None = Field(None, description="adaptive_batch, "
+        "time rule: [a, b], seconds per step = a + b·batch (null: timed side by side as training starts)")  # fmt: skip
+    adapt_threshold: Annotated[float, Field(ge=0, lt=1)] = Field(
+        0.05, description="adaptive_batch: grow only when that saves more than this fraction (of the time to a "
+        "loss, or of steps + examples), at the reading's lower 95% bound"
+    )  # fmt: skip
     adapt_lr_scaling: Literal["none", "linear", "sqrt"] = Field(
         "sqrt", description="adaptive_batch: the lr's rescaling at each change (the sweep sets sweep.lr_scaling)"
     )
@@ -158,6 +165,11 @@ class TrainConfig(Section):
             raise ValueError("train.adaptive_batch reads the measured noise scale: set train.gns: true")
         if self.strategy == "fsdp":
             raise ValueError("train.adaptive_batch needs the noise probe, which FSDP has not: use single or ddp")
+        if self.adapt_step_time is not None and (len(self.adapt_step_time) != 2 or sum(self.adapt_step_time) <= 0):
+            raise ValueError(
+                f"train.adapt_step_time must be [a, b] (seconds per step = a + b x batch, not both 0), "
+                f"got {self.adapt_step_time}"
+            )
 
     def world_size(self) -> int:
         return 1 if self.strategy == "single" else self.nproc * self.nnodes

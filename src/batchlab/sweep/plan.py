@@ -8,6 +8,7 @@ experiment is never trained twice: not on a resume, not when Dask runs its task 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from batchlab import data
-from batchlab.config import Config, parse_config
+from batchlab.config import Config, ConfigError, parse_config
 from batchlab.paths import Paths
 from batchlab.sweep import probes
 from batchlab.training.optim import scaled_lr, steps_per_epoch
@@ -38,6 +39,8 @@ class Experiment:
     # sweep.adaptive: train.adaptive_batch from batch_size (the smallest) to max_batch_size (the largest)
     adaptive: bool = False
     max_batch_size: int | None = None
+    # the time rule's step time (a, b): the sweep's throughput table's fit (with_step_time)
+    step_time: tuple[float, float] | None = None
 
     @property
     def name(self) -> str:
@@ -140,6 +143,18 @@ def adaptive_plan(cfg: Config, n_train: int, dataset: data.Dataset | None = None
             for seed in sc.seeds]  # fmt: skip
 
 
+def with_step_time(experiments: list[Experiment], clock: Table | None, cfg: Config) -> list[Experiment]:
+    """The adaptive experiments given the time rule's step time: the sweep's throughput table's fit
+    (train.adapt_step_time, when set, wins). Without a table (DDP/FSDP) the time rule needs it set."""
+    if not any(e.adaptive for e in experiments) or cfg.train.adapt_rule != "time" or cfg.train.adapt_step_time:
+        return experiments
+    if clock is None:
+        raise ConfigError("sweep.adaptive with train.adapt_rule time reads the throughput table, which a "
+                          f"{cfg.train.strategy} sweep does not time: set train.adapt_step_time: [a, b] or "
+                          "train.adapt_rule: statistical")  # fmt: skip
+    return [dataclasses.replace(e, step_time=clock.fit) if e.adaptive else e for e in experiments]
+
+
 def _step_mib(cfg: Config, batch: int, n_train: int, shape: tuple[tuple[int, ...], int, int]) -> float:
     """The step memory the study reports for `batch` (probes.step_memory, measured once per batch)."""
     lr = scaled_lr(cfg.train.lr, cfg.train.batch_size, batch, cfg.sweep.lr_scaling)
@@ -157,9 +172,11 @@ def experiment_config(cfg: Config, exp: Experiment) -> Config:
         curve_weights=exp.curve_weights,
         gns_every=exp.gns_every,
     )
-    if exp.adaptive:  # its probe follows train.adapt_every_steps, its lr the sweep's rule
+    if exp.adaptive:  # its lr follows the sweep's rule, its step time the sweep's clock
         rule = cfg.sweep.lr_scaling
         raw["train"].update(adaptive_batch=True, max_batch_size=exp.max_batch_size, adapt_lr_scaling=rule)
+        if exp.step_time is not None:
+            raw["train"]["adapt_step_time"] = list(exp.step_time)
     return parse_config(raw)
 
 

@@ -29,8 +29,11 @@ log = logging.getLogger(__name__)
 def prepare(cfg: Config, paths: Paths) -> Sweep:
     """Plan the experiments, find those an earlier sweep already finished, and read (or measure) the
     throughput table every experiment's seconds are counted on. Call it holding `exclusive`."""
+    started = time.perf_counter()  # the sweep's wall time counts its clock's block
     dataset = data.load(paths.data)
     experiments = plan.plan(cfg, dataset.train.y.shape[0], dataset)
+    clock = speeds.table_for(cfg, paths, experiments)  # the sweep's first step
+    experiments = plan.with_step_time(experiments, clock, cfg)
     data_hash = dataset.content_hash()
     key = sweep_key(cfg, data_hash)
     state = sweep_state.load(paths, key)
@@ -41,8 +44,8 @@ def prepare(cfg: Config, paths: Paths) -> Sweep:
         if done:
             finished[exp.name] = done
     earlier = sweep_state.earlier_wall_seconds(state, finished)
-    sweep = Sweep(experiments, finished, key, state.get("parent_run_id"), earlier, state.get("reported"))
-    sweep.clock = speeds.table_for(cfg, paths, experiments)  # the sweep's first step, in its wall time
+    sweep = Sweep(experiments, finished, key, state.get("parent_run_id"), earlier, state.get("reported"), started)
+    sweep.clock = clock
     if sweep.up_to_date:
         log.info(
             "sweep: all %d experiments already finished; nothing to do (to re-measure: delete %s/; under "

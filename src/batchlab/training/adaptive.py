@@ -1,22 +1,25 @@
-"""train.adaptive_batch: the global batch doubles when the measured noise scale says a step of
-twice the rows costs less, and the learning rate follows.
+"""train.adaptive_batch: the global batch grows by integer factors as the measured noise scale
+rises, and the learning rate follows.
 
-The rule (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", eq. 2.11): to
-reach a given loss, a run at batch B takes S = S_min(1 + B_noise/B) steps and E = E_min(1 +
-B/B_noise) examples. Weighing a step's time against an example's equally, the cost
-S/S_min + E/E_min = 2 + B_noise/B + B/B_noise is least at B = B_noise, the critical batch where
-both are twice their minimum. Every train.adapt_every_steps the run reads its B_noise (the
-in-training B_simple, gns.py) and doubles B when that cuts the cost by more than
-train.adapt_threshold (with the default 5%: when B_noise > ~1.65 B), so B follows B_noise up
-within a factor of ~1.65, as the noise scale rises while the loss falls. It never shrinks: the
-noise scale rises over training, and a shrink on one low reading would undo a grow.
+McCandlish et al. (2018, "An Empirical Model of Large-Batch Training", eq. 2.11): to reach a given
+loss, a run at batch B takes S = S_min(1 + B_noise/B) steps and E = E_min(1 + B/B_noise) examples.
+Every train.adapt_every_examples examples seen (an epoch by default: so a large batch is not stuck
+for epochs between decisions) the run reads its B_noise, the in-training B_simple (gns.py) with its
+standard error, and chooses by train.adapt_rule:
 
-Why not Pollux's goodput (throughput x statistical efficiency): it needs the throughput at a batch
-the run has not run yet, and reads the clock, so two runs of the same config would choose
-different batches: no exact resume, no reproduce. This rule reads only what the steps computed,
-so an interrupted run, a DDP run and a rerun take the same schedule. The cost it balances is
-statistical; on hardware where a step's fixed cost dominates, a larger batch than B_noise may be
-faster in seconds: the study's adaptive row measures what it gives.
+- `time` (the default): the batch whose steps reach the loss soonest, S(B)·t(B) with the step time
+  t(B) = a + b·B (train.adapt_step_time: the throughput table's fit, training/throughput.py). Its
+  unconstrained minimum is B* = √(a·B_noise/b); the rule takes the best of the batches it can move
+  to (the current one times 2^k, up to the cap).
+- `statistical`: weighing a step against an example equally, S/S_min + E/E_min = 2 + B_noise/B +
+  B/B_noise, least at B = B_noise; it doubles while that saves.
+
+Either grows only when the time (or cost) saved exceeds train.adapt_threshold at the reading's
+lower 95% bound (b·exp(-1.645·se/b), one-sided, on the log scale the reading's error has): a
+reading whose interval does not clear the threshold holds the batch. It never shrinks: the noise
+scale rises over training, and a shrink on one low reading would undo a grow. Every decision is a
+function of the recorded step time and the run's own readings: an interrupted run, a DDP run and a
+rerun take the same schedule.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from batchlab.training.strategy import Strategy
 
 log = logging.getLogger(__name__)
 
-GROWTH = 2  # a change multiplies the batch by this integer factor
+GROWTH = 2  # the batch moves by powers of this integer factor
+Z_ONE_SIDED = 1.644854  # the reading's lower 95% bound
 
 
 def cost(batch: float, b_noise: float) -> float:
@@ -48,21 +52,44 @@ def gain_of_growing(batch: int, b_noise: float) -> float:
     return (cost(batch, b_noise) - cost(GROWTH * batch, b_noise)) / cost(batch, b_noise)
 
 
+def seconds_to_loss(batch: float, b_noise: float, step_time: tuple[float, float]) -> float:
+    """S(B)·t(B) / S_min: the seconds to a given loss at `batch`, in units of S_min."""
+    a, b = step_time
+    return (1 + b_noise / batch) * (a + b * batch)
+
+
+def time_optimum(b_noise: float, step_time: tuple[float, float]) -> float:
+    """The batch that minimises S(B)·t(B): √(a·B_noise/b) (∞ with no per-row cost)."""
+    a, b = step_time
+    return math.sqrt(a * b_noise / b) if b > 0 else math.inf
+
+
+def lower_bound(b_noise: float, se: float) -> float:
+    """The reading's one-sided lower 95% bound (the reading itself where it has no standard error)."""
+    if not math.isfinite(se) or b_noise <= 0:
+        return b_noise
+    return b_noise * math.exp(-Z_ONE_SIDED * se / b_noise)
+
+
 @dataclass
 class BatchSchedule:
     """The batch of each step and the decisions that changed it (kept in the checkpoint)."""
 
     batch: int
     cap: int  # train.max_batch_size, at most the train split
-    every: int  # train.adapt_every_steps
+    every: int  # train.adapt_every_examples: examples between decisions
     threshold: float  # train.adapt_threshold
     divisor: int  # world size x grad_accum_steps: every batch divides by it
     lr_rule: str  # train.adapt_lr_scaling
+    rule: str = "statistical"  # train.adapt_rule
+    step_time: tuple[float, float] | None = None  # the time rule's (a, b)
     decisions: list[dict[str, Any]] = field(default_factory=list)
     start: int = 0  # the first step's batch (train.batch_size)
+    next_step: int = 0  # the step after which the next decision falls
 
     def __post_init__(self) -> None:
         self.start = self.start or self.batch
+        self.next_step = self.next_step or self.period()
 
     @classmethod
     def from_config(cls, tc: TrainConfig, n_train: int) -> BatchSchedule | None:
@@ -70,40 +97,69 @@ class BatchSchedule:
             return None
         cap = min(tc.max_batch_size or n_train, n_train)
         divisor = tc.world_size() * tc.grad_accum_steps
-        return cls(tc.batch_size, cap, tc.adapt_every_steps, tc.adapt_threshold, divisor, tc.adapt_lr_scaling)
+        step_time = tuple(tc.adapt_step_time) if tc.adapt_step_time is not None else None
+        return cls(tc.batch_size, cap, tc.adapt_every_examples or n_train, tc.adapt_threshold, divisor,
+                   tc.adapt_lr_scaling, tc.adapt_rule, step_time)  # type: ignore[arg-type]  # fmt: skip
+
+    def period(self) -> int:
+        """Steps between decisions at the current batch: train.adapt_every_examples of its rows."""
+        return max(1, math.ceil(self.every / self.batch))
 
     def due(self, step: int) -> bool:
-        """A decision after this step: every `every` steps, until the batch is at its cap."""
-        return step % self.every == 0 and not self.at_cap()
+        """A decision after this step, until the batch is at its cap."""
+        return step >= self.next_step and not self.at_cap()
 
     def at_cap(self) -> bool:
-        return GROWTH * self.batch > self.cap
+        return self._larger() == []
 
-    def decide(self, step: int, examples: int, b_noise: float) -> float | None:
-        """The decision after `step` optimizer steps (`examples` seen) on the reading `b_noise`:
-        the factor that rescales the learning rate when the batch grows, else None."""
-        new, gain = GROWTH * self.batch, math.nan
+    def _larger(self) -> list[int]:
+        """The batches it can grow to: the current one times GROWTH^k, up to the cap, dividing by
+        world size x grad_accum_steps."""
+        out, b = [], GROWTH * self.batch
+        while b <= self.cap:
+            if b % self.divisor == 0:
+                out.append(b)
+            b *= GROWTH
+        return out
+
+    def choose(self, b_noise: float) -> tuple[int, float]:
+        """The batch the rule moves to at the reading `b_noise`, and the fraction it saves there."""
+        if self.rule == "time":
+            assert self.step_time is not None
+            now = seconds_to_loss(self.batch, b_noise, self.step_time)
+            best = min([self.batch, *self._larger()], key=lambda b: seconds_to_loss(b, b_noise, self.step_time))  # type: ignore[arg-type]
+            return best, 1 - seconds_to_loss(best, b_noise, self.step_time) / now
+        larger = self._larger()
+        if not larger or larger[0] != GROWTH * self.batch:
+            return self.batch, 0.0
+        return larger[0], gain_of_growing(self.batch, b_noise)
+
+    def decide(self, step: int, examples: int, b_noise: float, se: float = math.nan) -> float | None:
+        """The decision after `step` optimizer steps (`examples` seen) on the reading `b_noise` (its
+        standard error `se`): the factor that rescales the learning rate when the batch grows, else None."""
+        low, gain, to, optimum = lower_bound(b_noise, se), math.nan, self.batch, None
         if not math.isfinite(b_noise) or b_noise <= 0:
             reason = "no noise-scale reading yet"
+        elif not self._larger():
+            reason = f"hold: {GROWTH * self.batch} is above the cap {self.cap} or does not divide by {self.divisor}"
         else:
-            gain = gain_of_growing(self.batch, b_noise)
-            if gain <= self.threshold:
-                reason = f"hold: growing saves {gain:.1%} (threshold {self.threshold:.0%})"
-            elif new > self.cap:
-                reason = f"hold: {new} is above the cap {self.cap}"
-            elif new % self.divisor:
-                reason = f"skipped: {new} does not divide by world size x grad_accum_steps ({self.divisor})"
+            if self.step_time is not None:
+                optimum = time_optimum(b_noise, self.step_time)
+            target, gain = self.choose(low)
+            if target == self.batch or gain <= self.threshold:
+                reason = f"hold: growing saves {max(gain, 0):.1%} at the lower bound {low:.0f} (threshold " \
+                         f"{self.threshold:.0%})"  # fmt: skip
             else:
-                reason = f"grow: saves {gain:.1%} of steps + examples"
-        to = new if reason.startswith("grow") else self.batch
+                to = target
+                what = "of the time to a loss" if self.rule == "time" else "of steps + examples"
+                reason = f"grow: saves {gain:.1%} {what} at the lower bound {low:.0f}"
         self.decisions.append(
-            {"step": step, "examples": examples, "b_noise": b_noise, "from": self.batch, "to": to,
-             "gain": gain, "reason": reason}
+            {"step": step, "examples": examples, "b_noise": b_noise, "b_noise_se": se, "b_noise_low": low,
+             "optimum": optimum, "from": self.batch, "to": to, "gain": gain, "reason": reason}
         )  # fmt: skip
-        if to == self.batch:
-            return None
-        factor = scaled_lr(1.0, self.batch, to, self.lr_rule)
+        factor = scaled_lr(1.0, self.batch, to, self.lr_rule) if to != self.batch else None
         self.batch = to
+        self.next_step = step + self.period()
         return factor
 
     def examples_at(self, step: int) -> int:
@@ -125,11 +181,12 @@ class BatchSchedule:
         return " -> ".join(parts)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"batch": self.batch, "decisions": [dict(d) for d in self.decisions]}
+        return {"batch": self.batch, "next_step": self.next_step, "decisions": [dict(d) for d in self.decisions]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             self.batch, self.decisions = int(state["batch"]), [dict(d) for d in state["decisions"]]
+            self.next_step = int(state.get("next_step", self.period()))
 
 
 @dataclass
@@ -158,6 +215,9 @@ class Adapting:
         if not noise.enabled or strategy.probe is None:  # no noise probe for this model (said why above)
             raise ConfigError("train.adaptive_batch reads the noise scale, which is not measured for this model "
                               "(the line above says why): set train.adaptive_batch: false")  # fmt: skip
+        if batches.rule == "time" and batches.step_time is None:
+            raise ConfigError("train.adapt_rule time needs train.adapt_step_time: `batchlab train` times it when "
+                              "it starts; set [a, b] or train.adapt_rule: statistical")  # fmt: skip
         batches.load_state_dict(state.batch_schedule)
         adapting = cls(batches, noise, tracker, strategy, paced=strategy.probe.every is None)
         adapting._pace_the_probe()
@@ -172,7 +232,7 @@ class Adapting:
         if self.batches.at_cap():
             probe.follow_cost_model()
         else:
-            probe.once_before_each(self.batches.every)
+            probe.once_before_each(self.batches.period(), self.batches.next_step)
 
     def figures(self, trainee: Trainee) -> dict[str, float]:
         lr = float(trainee.optimizer.param_groups[0]["lr"])
@@ -183,13 +243,13 @@ class Adapting:
         rescaled, and the noise scale's open windows start over (their steps' norms were another
         batch's)."""
         before = self.batches.batch
-        factor = self.batches.decide(step, examples, self.noise.b_simple)
+        factor = self.batches.decide(step, examples, self.noise.b_simple, self.noise.se)
         if factor is not None:
             trainee.schedule.rescale(factor, self.batches.batch)
             self.noise.restart_windows()
-            self._pace_the_probe()
             if self.is_main:
                 log.info("adaptive batch: %d -> %d at step %d (%s)", before, self.batches.batch, step,
                          self.batches.decisions[-1]["reason"])  # fmt: skip
                 self.tracker.log_epoch(self.figures(trainee), step=step)
+        self._pace_the_probe()  # the next decision's step: on the batch it now has
         return self.batches.batch

@@ -94,11 +94,13 @@ class FullSplitProbe:
         # the exact value can be taken at the weights the reading measured (sweep/truth.py)
         self.first: int | None = every + 1 if every is not None else None
 
-    def once_before_each(self, period: int) -> None:
-        """One measurement per `period` steps, its reading complete at each multiple of `period`
-        (train.adaptive_batch decides there; the EMA keeps only the latest reading anyway)."""
+    def once_before_each(self, period: int, decision: int) -> None:
+        """One measurement per `period` steps, its reading complete after step `decision` and every
+        `period` steps after (train.adaptive_batch decides there): with the rows' own gradients the
+        probe measures at that step itself, otherwise half a window before it."""
         self.every, self.step_rows = period, 0
-        self.first = period - max(1, min(period // 2, MAX_HALF_WINDOW))
+        ahead = 0 if self.rows_fail is None else max(1, min(period // 2, MAX_HALF_WINDOW))
+        self.first = max(1, decision - ahead)
 
     def follow_cost_model(self) -> None:
         """Back to `full_split_every`'s period, from the next step's rows."""

@@ -17,6 +17,9 @@ batch size the table did not time would take.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import math
 import os
 import platform
@@ -24,18 +27,22 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from batchlab.config import Config
+from batchlab import atomic
+from batchlab.config import Config, ConfigError
 from batchlab.data import Dataset
 from batchlab.training.gns_probes import FullSplitProbe
 from batchlab.training.optim import make_optimizer
 from batchlab.training.strategy import Strategy
 from batchlab.training.support import resolve_device
 from batchlab.training.train import initial_model, split_tensors, train_step
+
+log = logging.getLogger(__name__)
 
 ROUNDS = 9  # the median of 9 has a 96.1% order-statistic interval: the 2nd to the 8th value
 INTERVAL_RANK = 2  # that interval's rank from each end (1-based)
@@ -236,3 +243,31 @@ def measure(
 def machine() -> str:
     """What the table's speeds depend on besides the config: the host, its processor and torch."""
     return f"{platform.node()}|{platform.machine()}|{platform.processor()}|torch {torch.__version__}"
+
+
+def with_step_time(cfg: Config, dataset: Dataset, cache: Path) -> Config:
+    """`cfg` with train.adapt_step_time filled in where the time rule needs it and it is null: the fit
+    of a table timed now over the batches the schedule can take (train.batch_size doubled up to its
+    cap), kept in `cache` while its key holds, so a resumed run (whose checkpoint is keyed by the
+    config) and a rerun read the same figures. The run logs it with its params: `reproduce` replays it."""
+    tc = cfg.train
+    if not (tc.adaptive_batch and tc.adapt_rule == "time" and tc.adapt_step_time is None):
+        return cfg
+    if tc.nnodes > 1:
+        raise ConfigError("train.adapt_rule time on several machines needs the same step time on each: set "
+                          "train.adapt_step_time: [a, b] (a one-machine `batchlab train` logs its fit)")  # fmt: skip
+    n_train = int(dataset.train.y.shape[0])
+    cap, sizes = min(tc.max_batch_size or n_train, n_train), [tc.batch_size]
+    while sizes[-1] * 2 <= cap:
+        sizes.append(sizes[-1] * 2)
+    what = [cfg.model.model_dump(), list(dataset.input_shape), dataset.n_classes, dataset.vocab, n_train, sizes,
+            tc.precision, tc.device, tc.optimizer, tc.grad_accum_steps, torch.get_num_threads(), machine()]  # fmt: skip
+    key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    stored = Table.from_dict(json.loads(cache.read_text())) if cache.is_file() else None
+    if stored is None or stored.key != key:
+        log.info("adaptive batch: timing batch sizes %s side by side for the time rule", ", ".join(map(str, sizes)))
+        stored = measure(cfg, dataset, sizes, key, probe=False)
+        atomic.write_json(cache, stored.to_dict())
+    a, b = stored.fit
+    log.info("adaptive batch: step time %.3f ms + %.3f µs x batch (train.adapt_step_time)", 1e3 * a, 1e6 * b)
+    return cfg.model_copy(update={"train": tc.model_copy(update={"adapt_step_time": [a, b]})})

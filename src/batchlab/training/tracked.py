@@ -23,7 +23,6 @@ from batchlab.training import launch, threads
 from batchlab.validate import batch_fits
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
     from batchlab.training.train import TrainResult
@@ -72,6 +71,8 @@ def write_trained(cfg: Config, paths: Paths, result: TrainResult, dataset: data.
 def write_curves(result: TrainResult, val_curve_csv: Path, weights_file: Path) -> None:
     """The val curve (train.eval_every_steps) and the weights at its points (train.curve_weights),
     or neither file where the run kept none: no stale file from an earlier run."""
+    import torch
+
     from batchlab.model import save_torch
 
     if result.val_curve:
