@@ -125,8 +125,8 @@ class TrainConfig(Section):
     adapt_every_examples: PositiveInt | None = Field(
         None, description="adaptive_batch: decide every this many examples seen (null: one epoch of the train split)"
     )
-    adapt_step_time: list[Annotated[float, Field(ge=0)]] | None = Field(None, description="adaptive_batch, "
-        "time rule: [a, b], seconds per step = a + b·batch (null: timed side by side as training starts)")  # fmt: skip
+    adapt_step_time: list[Annotated[float, Field(ge=0)]] | None = Field(None, description="adaptive_batch, time "
+        "rule: [a, b, p]: seconds a step = a + b·batch, p a noise probe (null: timed as training starts)")  # fmt: skip
     adapt_threshold: Annotated[float, Field(ge=0, lt=1)] = Field(
         0.05, description="adaptive_batch: grow only when that saves more than this fraction (of the time to a "
         "loss, or of steps + examples), at the reading's lower 95% bound"
@@ -165,10 +165,11 @@ class TrainConfig(Section):
             raise ValueError("train.adaptive_batch reads the measured noise scale: set train.gns: true")
         if self.strategy == "fsdp":
             raise ValueError("train.adaptive_batch needs the noise probe, which FSDP has not: use single or ddp")
-        if self.adapt_step_time is not None and (len(self.adapt_step_time) != 2 or sum(self.adapt_step_time) <= 0):
+        step_time = self.adapt_step_time
+        if step_time is not None and (len(step_time) not in (2, 3) or sum(step_time[:2]) <= 0):
             raise ValueError(
-                f"train.adapt_step_time must be [a, b] (seconds per step = a + b x batch, not both 0), "
-                f"got {self.adapt_step_time}"
+                f"train.adapt_step_time must be [a, b] or [a, b, p] (seconds per step = a + b x batch, not both "
+                f"0; p: seconds per noise probe), got {step_time}"
             )
 
     def world_size(self) -> int:

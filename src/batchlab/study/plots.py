@@ -178,6 +178,10 @@ def _adaptive_schedule(ax: Any, study: Study) -> bool:
         read = [(d["examples"], d["b_noise"]) for d in decisions if d["b_noise"] == d["b_noise"] and d["b_noise"] > 0]
         ax.plot([e for e, _ in read], [b for _, b in read], "x", color="black", ms=3,
                 label="adaptive: B_simple it read" if i == 0 else None)  # fmt: skip
+        best = [(d["examples"], d["optimum"]) for d in decisions if d.get("optimum") is not None and d["optimum"] > 0]
+        if best:  # the time rule: the throughput table's optimum √(a·B_noise/b) at each reading
+            ax.plot([e for e, _ in best], [b for _, b in best], "+", color="C3", ms=4,
+                    label="adaptive: the table's optimum √(a·B_noise/b)" if i == 0 else None)  # fmt: skip
     return True
 
 

@@ -39,8 +39,8 @@ class Experiment:
     # sweep.adaptive: train.adaptive_batch from batch_size (the smallest) to max_batch_size (the largest)
     adaptive: bool = False
     max_batch_size: int | None = None
-    # the time rule's step time (a, b): the sweep's throughput table's fit (with_step_time)
-    step_time: tuple[float, float] | None = None
+    # the time rule's step time (a, b, p): the sweep's throughput table's fit and probe (with_step_time)
+    step_time: tuple[float, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -152,7 +152,7 @@ def with_step_time(experiments: list[Experiment], clock: Table | None, cfg: Conf
         raise ConfigError("sweep.adaptive with train.adapt_rule time reads the throughput table, which a "
                           f"{cfg.train.strategy} sweep does not time: set train.adapt_step_time: [a, b] or "
                           "train.adapt_rule: statistical")  # fmt: skip
-    return [dataclasses.replace(e, step_time=clock.fit) if e.adaptive else e for e in experiments]
+    return [dataclasses.replace(e, step_time=tuple(clock.step_time())) if e.adaptive else e for e in experiments]
 
 
 def _step_mib(cfg: Config, batch: int, n_train: int, shape: tuple[tuple[int, ...], int, int]) -> float:

@@ -33,6 +33,7 @@ from batchlab.config import ConfigError, TrainConfig
 from batchlab.tracking import Tracker
 from batchlab.training.checkpoint import Trainee, TrainState
 from batchlab.training.gns import NoiseScale
+from batchlab.training.gns_probes import reading_now
 from batchlab.training.optim import scaled_lr
 from batchlab.training.strategy import Strategy
 
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 
 GROWTH = 2  # the batch moves by powers of this integer factor
 Z_ONE_SIDED = 1.644854  # the reading's lower 95% bound
+# the time rule spaces its decisions so that their probes cost at most this share of the steps'
+# time between them (a probe on the default problem: 16.5 ms, 35 steps at batch 256)
+PROBE_SHARE = 0.2
 
 
 def cost(batch: float, b_noise: float) -> float:
@@ -52,15 +56,15 @@ def gain_of_growing(batch: int, b_noise: float) -> float:
     return (cost(batch, b_noise) - cost(GROWTH * batch, b_noise)) / cost(batch, b_noise)
 
 
-def seconds_to_loss(batch: float, b_noise: float, step_time: tuple[float, float]) -> float:
+def seconds_to_loss(batch: float, b_noise: float, step_time: tuple[float, ...]) -> float:
     """S(B)·t(B) / S_min: the seconds to a given loss at `batch`, in units of S_min."""
-    a, b = step_time
+    a, b = step_time[:2]
     return (1 + b_noise / batch) * (a + b * batch)
 
 
-def time_optimum(b_noise: float, step_time: tuple[float, float]) -> float:
+def time_optimum(b_noise: float, step_time: tuple[float, ...]) -> float:
     """The batch that minimises S(B)·t(B): √(a·B_noise/b) (∞ with no per-row cost)."""
-    a, b = step_time
+    a, b = step_time[:2]
     return math.sqrt(a * b_noise / b) if b > 0 else math.inf
 
 
@@ -82,7 +86,7 @@ class BatchSchedule:
     divisor: int  # world size x grad_accum_steps: every batch divides by it
     lr_rule: str  # train.adapt_lr_scaling
     rule: str = "statistical"  # train.adapt_rule
-    step_time: tuple[float, float] | None = None  # the time rule's (a, b)
+    step_time: tuple[float, ...] | None = None  # the time rule's (a, b) and a probe's seconds p
     decisions: list[dict[str, Any]] = field(default_factory=list)
     start: int = 0  # the first step's batch (train.batch_size)
     next_step: int = 0  # the step after which the next decision falls
@@ -99,11 +103,17 @@ class BatchSchedule:
         divisor = tc.world_size() * tc.grad_accum_steps
         step_time = tuple(tc.adapt_step_time) if tc.adapt_step_time is not None else None
         return cls(tc.batch_size, cap, tc.adapt_every_examples or n_train, tc.adapt_threshold, divisor,
-                   tc.adapt_lr_scaling, tc.adapt_rule, step_time)  # type: ignore[arg-type]  # fmt: skip
+                   tc.adapt_lr_scaling, tc.adapt_rule, step_time)  # fmt: skip
 
     def period(self) -> int:
-        """Steps between decisions at the current batch: train.adapt_every_examples of its rows."""
-        return max(1, math.ceil(self.every / self.batch))
+        """Steps between decisions at the current batch: train.adapt_every_examples of its rows; under
+        the time rule at least as many as keep the probe before each within PROBE_SHARE of the steps'
+        time (the decisions a probe costs more than they can save are not taken)."""
+        steps = math.ceil(self.every / self.batch)
+        if self.rule == "time" and self.step_time is not None and len(self.step_time) > 2:
+            a, b, probe = self.step_time[:3]
+            steps = max(steps, math.ceil(probe / (PROBE_SHARE * (a + b * self.batch))))
+        return max(1, steps)
 
     def due(self, step: int) -> bool:
         """A decision after this step, until the batch is at its cap."""
@@ -220,10 +230,27 @@ class Adapting:
                               "it starts; set [a, b] or train.adapt_rule: statistical")  # fmt: skip
         batches.load_state_dict(state.batch_schedule)
         adapting = cls(batches, noise, tracker, strategy, paced=strategy.probe.every is None)
+        if not state.steps and batches.rule == "time":  # the starting batch: the rule's at the first weights
+            adapting._decide_first(trainee)
         adapting._pace_the_probe()
         if adapting.is_main and not state.steps:
             tracker.log_epoch(adapting.figures(trainee), step=0)
         return adapting
+
+    def _decide_first(self, trainee: Trainee) -> None:
+        """The time rule's first decision, before the first step: a reading of the initial weights
+        (one probe, counted as the others are), then the batch it prefers, from train.batch_size up.
+        A resumed run has it in its checkpoint."""
+        assert self.strategy.probe is not None
+        reading = reading_now(self.strategy.probe, self.noise.population)
+        self.noise.probes += 1
+        if reading is None:  # the rows' own gradients cannot be taken: the first decision waits a period
+            return
+        factor = self.batches.decide(0, 0, reading.b_simple, reading.se)
+        if factor is not None:
+            trainee.schedule.rescale(factor, self.batches.batch)
+            if self.is_main:
+                log.info("adaptive batch: starts at %d (%s)", self.batches.batch, self.batches.decisions[-1]["reason"])
 
     def _pace_the_probe(self) -> None:
         probe = self.strategy.probe

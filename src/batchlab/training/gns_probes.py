@@ -199,7 +199,13 @@ def at_saved_weights(probe: FullSplitProbe, population: int | None, probes: int 
     the same weights. None where the rows' own gradients cannot be taken (no standard error, and
     the steps' norms around a probe belong to other weights). Every DDP rank calls it (the probe
     all-reduces)."""
-    measures = [probe.measure(SAVED_STEP + i) for i in range(probes)]
+    return reading_now(probe, population, probes, SAVED_STEP)
+
+
+def reading_now(probe: FullSplitProbe, population: int | None, probes: int = 1, step: int = 0) -> Reading | None:
+    """A reading of the current weights, pooled over `probes` measurements (their rows drawn by
+    `step` onwards); None where the rows' own gradients cannot be taken."""
+    measures = [probe.measure(step + i) for i in range(probes)]
     if any(m.row_sq is None for m in measures):
         return None
     return pooled(measures, population)

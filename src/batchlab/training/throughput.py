@@ -105,6 +105,10 @@ class Table:
     def probe_seconds(self) -> float:
         return self.probe.median if self.probe is not None else 0.0
 
+    def step_time(self) -> list[float]:
+        """train.adapt_step_time: [a, b, p], the fit and the probe's seconds."""
+        return [*self.fit, self.probe_seconds]
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["rows"] = [self.row(e.batch_size) for e in self.entries]  # what a reader wants, derived
@@ -266,8 +270,8 @@ def with_step_time(cfg: Config, dataset: Dataset, cache: Path) -> Config:
     stored = Table.from_dict(json.loads(cache.read_text())) if cache.is_file() else None
     if stored is None or stored.key != key:
         log.info("adaptive batch: timing batch sizes %s side by side for the time rule", ", ".join(map(str, sizes)))
-        stored = measure(cfg, dataset, sizes, key, probe=False)
+        stored = measure(cfg, dataset, sizes, key)
         atomic.write_json(cache, stored.to_dict())
-    a, b = stored.fit
-    log.info("adaptive batch: step time %.3f ms + %.3f µs x batch (train.adapt_step_time)", 1e3 * a, 1e6 * b)
-    return cfg.model_copy(update={"train": tc.model_copy(update={"adapt_step_time": [a, b]})})
+    log.info("adaptive batch: step time %.3f ms + %.3f µs x batch, %.2f ms a probe (train.adapt_step_time)",
+             1e3 * stored.fit[0], 1e6 * stored.fit[1], 1e3 * stored.probe_seconds)  # fmt: skip
+    return cfg.model_copy(update={"train": tc.model_copy(update={"adapt_step_time": stored.step_time()})})
