@@ -98,3 +98,27 @@ def test_a_time_rule_training_decides_on_examples_and_each_decision_is_the_rules
             d["from"], d["b_noise_low"], (A, B)
         )
         assert d["to"] == (best if saves > 0.05 else d["from"]), d
+
+
+def test_decisions_are_spaced_so_their_probes_cost_at_most_a_fifth_of_the_steps_between_them() -> None:
+    """A probe of 16.5 ms (the default problem's) against steps of A + B x batch: at batch 256 a
+    decision every epoch (10 steps) would spend 3.5x the steps' time probing."""
+    probe = 0.0165
+    schedule = BatchSchedule(256, 4096, 2800, 0.05, 1, "sqrt", "time", (A, B, probe))
+    steps = schedule.period()
+    assert steps == math.ceil(probe / (0.2 * (A + B * 256))) and steps * 256 > 2800
+    assert probe <= 0.2 * steps * (A + B * 256) + 1e-12
+    cheap = BatchSchedule(256, 4096, 2800, 0.05, 1, "sqrt", "time", (A, B, 1e-5))
+    assert cheap.period() == math.ceil(2800 / 256)  # a cheap probe: train.adapt_every_examples decides
+    assert BatchSchedule(256, 4096, 2800, 0.05, 1, "sqrt", "statistical", (A, B, probe)).period() == 11
+
+
+def test_the_time_rule_picks_its_starting_batch_from_a_reading_of_the_initial_weights(tiny_dataset: Dataset) -> None:
+    cfg = tiny_config(train={"epochs": 2, "batch_size": 8, "adaptive_batch": True, "adapt_step_time": [A, B]})
+    result = fit(cfg, tiny_dataset, Strategy(torch.device("cpu")))
+    first = result.batch_schedule[0]
+    assert (first["step"], first["examples"], first["from"]) == (0, 0, 8) and math.isfinite(first["b_noise"])
+    options = [8 * 2**k for k in range(12) if 8 * 2**k <= tiny_dataset.train.y.shape[0]]
+    best = min(options, key=lambda x: seconds_to_loss(x, first["b_noise_low"], (A, B)))
+    assert first["to"] == best > 8, first
+    assert result.history[0]["gns.probes"] >= 1  # the first reading counts as a probe (the study's clock)

@@ -33,7 +33,7 @@ from batchlab.config import ConfigError, TrainConfig
 from batchlab.tracking import Tracker
 from batchlab.training.checkpoint import Trainee, TrainState
 from batchlab.training.gns import NoiseScale
-from batchlab.training.gns_probes import reading_now
+from batchlab.training.gns_estimates import FullSplitMeasure, pooled
 from batchlab.training.optim import scaled_lr
 from batchlab.training.strategy import Strategy
 
@@ -44,6 +44,10 @@ Z_ONE_SIDED = 1.644854  # the reading's lower 95% bound
 # the time rule spaces its decisions so that their probes cost at most this share of the steps'
 # time between them (a probe on the default problem: 16.5 ms, 35 steps at batch 256)
 PROBE_SHARE = 0.2
+# a decision's reading: measurements at the decision's weights, pooled, until its standard error
+# is within this fraction of it or MAX_PROBES were taken (one reads ±25-35% late in a default run)
+TARGET_REL_SE = 0.15
+MAX_PROBES = 4
 
 
 def cost(batch: float, b_noise: float) -> float:
@@ -208,7 +212,6 @@ class Adapting:
     noise: NoiseScale
     tracker: Tracker
     strategy: Strategy
-    paced: bool = True  # the probe's period is the schedule's (train.gns_every unset)
 
     @property
     def is_main(self) -> bool:
@@ -219,9 +222,9 @@ class Adapting:
         cls, batches: BatchSchedule, noise: NoiseScale, tracker: Tracker, strategy: Strategy, state: TrainState,
         trainee: Trainee,
     ) -> Adapting:  # fmt: skip
-        """The schedule where the checkpoint left it (its lr is the optimizer's own state). The
-        noise probe measures once before each decision (train.gns_every, if set, wins), until the
-        batch reaches its cap: from there nothing is left to decide and the probe keeps to its cost."""
+        """The schedule where the checkpoint left it (its lr is the optimizer's own state). Each
+        decision reads the noise scale at its own weights (`reading`); between decisions the probe
+        keeps to its cost model (train.gns_every, if set, wins), for the run's gns.* figures."""
         if not noise.enabled or strategy.probe is None:  # no noise probe for this model (said why above)
             raise ConfigError("train.adaptive_batch reads the noise scale, which is not measured for this model "
                               "(the line above says why): set train.adaptive_batch: false")  # fmt: skip
@@ -229,37 +232,30 @@ class Adapting:
             raise ConfigError("train.adapt_rule time needs train.adapt_step_time: `batchlab train` times it when "
                               "it starts; set [a, b] or train.adapt_rule: statistical")  # fmt: skip
         batches.load_state_dict(state.batch_schedule)
-        adapting = cls(batches, noise, tracker, strategy, paced=strategy.probe.every is None)
+        adapting = cls(batches, noise, tracker, strategy)
         if not state.steps and batches.rule == "time":  # the starting batch: the rule's at the first weights
-            adapting._decide_first(trainee)
-        adapting._pace_the_probe()
+            adapting.decide(0, 0, trainee)
         if adapting.is_main and not state.steps:
             tracker.log_epoch(adapting.figures(trainee), step=0)
         return adapting
 
-    def _decide_first(self, trainee: Trainee) -> None:
-        """The time rule's first decision, before the first step: a reading of the initial weights
-        (one probe, counted as the others are), then the batch it prefers, from train.batch_size up.
-        A resumed run has it in its checkpoint."""
-        assert self.strategy.probe is not None
-        reading = reading_now(self.strategy.probe, self.noise.population)
-        self.noise.probes += 1
-        if reading is None:  # the rows' own gradients cannot be taken: the first decision waits a period
-            return
-        factor = self.batches.decide(0, 0, reading.b_simple, reading.se)
-        if factor is not None:
-            trainee.schedule.rescale(factor, self.batches.batch)
-            if self.is_main:
-                log.info("adaptive batch: starts at %d (%s)", self.batches.batch, self.batches.decisions[-1]["reason"])
-
-    def _pace_the_probe(self) -> None:
+    def reading(self, step: int) -> tuple[float, float]:
+        """B_noise and its standard error at the current weights: measurements pooled until the
+        standard error is within TARGET_REL_SE of the reading or MAX_PROBES were taken, each counted
+        (the study's clock charges them), their rows drawn by `step` (a resumed run draws the same).
+        Where the rows' own gradients cannot be taken, the latest scheduled reading, without one."""
         probe = self.strategy.probe
-        if not self.paced or probe is None:
-            return
-        if self.batches.at_cap():
-            probe.follow_cost_model()
-        else:
-            probe.once_before_each(self.batches.period(), self.batches.next_step)
+        assert probe is not None
+        measures: list[FullSplitMeasure] = []
+        while len(measures) < MAX_PROBES:
+            measures.append(probe.measure(step, draw=len(measures)))
+            self.noise.probes += 1
+            if measures[-1].row_sq is None:
+                return self.noise.b_simple, self.noise.se
+            found = pooled(measures, self.noise.population)
+            if math.isfinite(found.se) and found.se <= TARGET_REL_SE * found.b_simple:
+                break
+        return found.b_simple, found.se
 
     def figures(self, trainee: Trainee) -> dict[str, float]:
         lr = float(trainee.optimizer.param_groups[0]["lr"])
@@ -270,13 +266,13 @@ class Adapting:
         rescaled, and the noise scale's open windows start over (their steps' norms were another
         batch's)."""
         before = self.batches.batch
-        factor = self.batches.decide(step, examples, self.noise.b_simple, self.noise.se)
+        factor = self.batches.decide(step, examples, *self.reading(step))
         if factor is not None:
             trainee.schedule.rescale(factor, self.batches.batch)
             self.noise.restart_windows()
             if self.is_main:
                 log.info("adaptive batch: %d -> %d at step %d (%s)", before, self.batches.batch, step,
                          self.batches.decisions[-1]["reason"])  # fmt: skip
-                self.tracker.log_epoch(self.figures(trainee), step=step)
-        self._pace_the_probe()  # the next decision's step: on the batch it now has
+                if step:
+                    self.tracker.log_epoch(self.figures(trainee), step=step)
         return self.batches.batch

@@ -47,6 +47,7 @@ ROW_SAMPLE = 512
 # within ~±35% alone, 1 standard error), their rows drawn as a step past any training's would
 SAVED_PROBES = 4
 SAVED_STEP = 10**9
+DRAW_STRIDE = 1_000_003  # another draw's rows: seeded as a far-off step's
 ROW_CHUNK = 64
 ROW_COST = 6
 
@@ -94,18 +95,6 @@ class FullSplitProbe:
         # the exact value can be taken at the weights the reading measured (sweep/truth.py)
         self.first: int | None = every + 1 if every is not None else None
 
-    def once_before_each(self, period: int, decision: int) -> None:
-        """One measurement per `period` steps, its reading complete after step `decision` and every
-        `period` steps after (train.adaptive_batch decides there): with the rows' own gradients the
-        probe measures at that step itself, otherwise half a window before it."""
-        self.every, self.step_rows = period, 0
-        ahead = 0 if self.rows_fail is None else max(1, min(period // 2, MAX_HALF_WINDOW))
-        self.first = max(1, decision - ahead)
-
-    def follow_cost_model(self) -> None:
-        """Back to `full_split_every`'s period, from the next step's rows."""
-        self.every, self.step_rows, self.first = None, 0, None
-
     def after_backward(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         if self.every is None:
             self.step_rows += inputs.shape[0]
@@ -118,8 +107,10 @@ class FullSplitProbe:
             return None
         return self.measure(step)
 
-    def measure(self, step: int) -> FullSplitMeasure:
-        """A measurement at the current weights now, its rows drawn by `step` (and rank)."""
+    def measure(self, step: int, draw: int = 0) -> FullSplitMeasure:
+        """A measurement at the current weights now, its rows drawn by `step` (and rank). `draw` > 0:
+        another measurement at the same weights and step, with masks and rows of its own (draw 0's
+        masks are the training's RNG state's, as a scheduled probe's)."""
         x, y = self.x, self.y
         if x.shape[0] > self.rows_per_pass:  # the same rows on every rank: one generator, one seed
             pick = torch.randperm(x.shape[0], generator=self.draw, device=x.device)[: self.rows_per_pass]
@@ -131,9 +122,11 @@ class FullSplitProbe:
         with torch.random.fork_rng(devices=devices):
             if self.rng is not None:  # dropout draws from the global RNG: give it this seed's state
                 torch.set_rng_state(self.rng.get_state())
+            if draw:  # masks of its own, still a function of the run's state: reproducible
+                torch.manual_seed(int(torch.randint(2**62, (1,)).item()) + draw)
             parts = min(PARTS, x.shape[0])  # every rank the same count: DDP sums part by part
             sums = torch.stack([self._summed_gradient(x, y, parts) for _ in range(self.passes)])
-            squares = self._row_squares(step, x, y)
+            squares = self._row_squares(step + DRAW_STRIDE * draw, x, y)
         with torch.no_grad():
             for saved, live in zip(buffers, self.model.buffers(), strict=True):
                 live.copy_(saved)
@@ -203,9 +196,9 @@ def at_saved_weights(probe: FullSplitProbe, population: int | None, probes: int 
 
 
 def reading_now(probe: FullSplitProbe, population: int | None, probes: int = 1, step: int = 0) -> Reading | None:
-    """A reading of the current weights, pooled over `probes` measurements (their rows drawn by
-    `step` onwards); None where the rows' own gradients cannot be taken."""
-    measures = [probe.measure(step + i) for i in range(probes)]
+    """A reading of the current weights, pooled over `probes` measurements at `step` (each draw its
+    own masks and rows); None where the rows' own gradients cannot be taken."""
+    measures = [probe.measure(step, draw) for draw in range(probes)]
     if any(m.row_sq is None for m in measures):
         return None
     return pooled(measures, population)
