@@ -91,9 +91,9 @@ def _row(study: analysis.Study) -> tuple[list[str], dict[str, Any]]:
     goals = (not (vs_fast.measurable and vs_fast.diff_mean > 0), not (vs_best.measurable and vs_best.diff_mean < 0),
              fewer >= 0.40)  # fmt: skip
     seed0 = min(study.adaptive.results, key=lambda r: r["seed"])
-    schedule = " → ".join(
-        [str(seed0["batch_schedule"][0]["from"])] + [str(d["to"]) for d in seed0["batch_schedule"] if d["to"] != d["from"]]
-    ) if seed0["batch_schedule"] else "—"  # fmt: skip
+    decisions = seed0["batch_schedule"]
+    moves = [str(d["to"]) for d in decisions if d["to"] != d["from"]]
+    schedule = " → ".join([str(decisions[0]["from"]), *moves]) if decisions else "—"
     row = [
         f"{_pm(*sec, 3)} ({study.adaptive.reached}/{len(study.adaptive.results)} reached)",
         f"{reached[fastest]:.3f} (batch {fastest})",
