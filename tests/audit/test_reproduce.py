@@ -10,10 +10,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 from mlflow import MlflowClient
 
 from batchlab.tracking.provenance import git_tags
 from tests.support import env_with_venv, run, set_params, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.integration
@@ -143,3 +146,19 @@ def test_a_sigkilled_reproduce_leaves_a_worktree_and_processes_that_the_next_one
     assert ": identical (" in proc.stdout, proc.stdout
     assert not tree.exists() and not _running_in(tree)
     assert len(run(["git", "worktree", "list"], repo_copy).stdout.splitlines()) == 1
+
+
+def test_recorded_params_load_back_as_the_config_read_them_exponent_floats_included() -> None:
+    """MLflow holds str(value): the time rule's step time [a, b, p] has floats Python writes as 5e-07,
+    which YAML reads as a string; every recorded param must load back to what the run trained with."""
+    from batchlab.audit.reproduce import rebuild_params
+    from batchlab.config import load_config, parse_config
+    from batchlab.tracking.record import RunRecord
+
+    base = load_config(REPO / "params.yaml")
+    raw = base.model_dump()
+    raw["train"].update(adaptive_batch=True, adapt_step_time=[0.0002, 5e-07, 0.0165])
+    cfg = parse_config(raw)
+    record = RunRecord("r", {}, {k: str(v) for k, v in cfg.flat().items()}, {}, "0")
+    rebuilt = parse_config(yaml.safe_load(rebuild_params(record, (REPO / "params.yaml").read_text())))
+    assert rebuilt.train.adapt_step_time == [0.0002, 5e-07, 0.0165] and rebuilt.model == cfg.model

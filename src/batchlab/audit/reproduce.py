@@ -10,6 +10,7 @@ data hash, the test metrics, the last epoch's training metrics and every weight 
 
 from __future__ import annotations
 
+import ast
 import csv
 import json
 import logging
@@ -59,8 +60,13 @@ def _git(repo: Path, *args: str) -> str:
 
 
 def _value(text: str) -> Any:
-    """A param as MLflow holds it (str(value)) back to a value the config validates."""
-    return None if text == "None" else yaml.safe_load(text)
+    """A param as MLflow holds it (str(value)) back to a value the config validates: a Python
+    literal first (a list of floats such as [0.0002, 5e-07] is one; YAML reads 5e-07 as a string),
+    else YAML (a bare word)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return yaml.safe_load(text)
 
 
 def rebuild_params(record: RunRecord, committed: str) -> str:
