@@ -19,9 +19,12 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchlab.study.verdict import holm, mean_ci, paired_p_value
+
+if TYPE_CHECKING:
+    from batchlab.study.analysis import Study
 
 COMPARED = ("seconds_to_target", "test_f1_macro", "steps_to_target", "examples_to_target")
 
@@ -121,3 +124,53 @@ def _pm(mean: float, half: float, digits: int) -> str:
     if not math.isfinite(mean):
         return "—"
     return f"{mean:.{digits}f}" + (f" ± {half:.{digits}f}" if math.isfinite(half) else "")
+
+
+def study_verdict(study: Study) -> str:
+    """The adaptive row's verdict, against the fastest fixed batch size to the target and the best F1."""
+    assert study.adaptive is not None
+    reached = {r["batch_size"]: r["seconds_to_target_mean"] for r in study.rows if r["reached"] == r["seeds"]}
+    fastest = min(reached, key=lambda b: reached[b]) if reached else None
+    return verdict_text(study.adaptive, fastest, study.verdict.best)
+
+
+def study_text(study: Study) -> str:
+    """sweep.adaptive: its verdict, then each fixed batch size's paired differences (adaptive − fixed)."""
+    assert study.adaptive is not None
+    lines = [
+        study_verdict(study),
+        "",
+        "Adaptive − fixed, paired by seed (mean ± 95% CI; * measurable under Holm's correction over all "
+        f"{len(study.adaptive.comparisons)} comparisons):",
+        "",
+        "| fixed batch | Δ steps to target | Δ examples to target | Δ seconds to target | Δ test F1 |",
+        "|---|---|---|---|---|",
+    ]
+    digits = {"steps_to_target": 0, "examples_to_target": 0, "seconds_to_target": 2, "test_f1_macro": 4}
+    for batch in sorted(study.lr_choice):
+        cells = []
+        for figure in ("steps_to_target", "examples_to_target", "seconds_to_target", "test_f1_macro"):
+            c = study.adaptive.against(batch, figure)
+            half = f" ± {c.diff_ci95:.{digits[figure]}f}" if math.isfinite(c.diff_ci95) else ""
+            text = f"{c.diff_mean:+.{digits[figure]}f}{half}{' *' if c.measurable else ''}"
+            cells.append(text if math.isfinite(c.diff_mean) else "—")
+        lines.append(f"| {batch} | " + " | ".join(cells) + " |")
+    return "\n".join([*lines, "", *schedule_lines(study)])
+
+
+def schedule_lines(study: Study) -> list[str]:
+    """Each seed's schedule: every change, with the B_noise it read and, under the time rule, the
+    throughput table's optimum √(a·B_noise/b) there."""
+    assert study.adaptive is not None
+    lines = ["Schedules (the batch from each step on; B_noise read there; the table's optimum):", ""]
+    for r in sorted(study.adaptive.results, key=lambda r: r["seed"]):
+        decisions = r.get("batch_schedule") or []
+        moves = [
+            f"{d['to']} (step {d['step']}, B_noise {d['b_noise']:.0f}"
+            + (f", optimum {d['optimum']:.0f})" if d.get("optimum") is not None else ")")
+            for d in decisions
+            if d["to"] != d["from"]
+        ]
+        start = decisions[0]["from"] if decisions else r["batch_size"]
+        lines.append(f"- seed {r['seed']}: " + " → ".join([str(start), *moves]))
+    return lines

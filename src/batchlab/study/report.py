@@ -170,7 +170,7 @@ def headline(study: Study) -> str:
         crit = f"critical batch size {fit.b_crit:.0f}{interval}, R² {fit.r2:.3f}"
     text = f"{first}\nMeasurably worse in F1: {', '.join(map(str, worse)) or 'none'}; {crit}.\n"
     if study.adaptive is not None:  # sweep.adaptive: its verdict's last sentence, the goal
-        text += "Adaptive batch: " + adaptive_verdict(study).rsplit(". ", 1)[-1] + "\n"
+        text += "Adaptive batch: " + adaptive.study_verdict(study).rsplit(". ", 1)[-1] + "\n"
     return text
 
 
@@ -185,7 +185,7 @@ def markdown(study: Study, context: dict[str, Any]) -> str:
         + "\n",
     ]
     if study.adaptive is not None:
-        parts += ["## Adaptive batch size\n", adaptive_text(study) + "\n"]
+        parts += ["## Adaptive batch size\n", adaptive.study_text(study) + "\n"]
     if context.get("clock"):
         parts += ["## The clock: throughput side by side\n", clock.text(context["clock"]) + "\n"]
     extra = " ".join(t for t in (lr_text(study), budget_text(study, context["memory_budget_mb"])) if t)
@@ -199,38 +199,6 @@ def markdown(study: Study, context: dict[str, Any]) -> str:
         "peak RSS is the whole process, set mostly by the torch runtime.\n"
     )
     return "\n".join(parts)
-
-
-def adaptive_verdict(study: Study) -> str:
-    """The adaptive row's verdict, against the fastest fixed batch size to the target and the best F1."""
-    assert study.adaptive is not None
-    reached = {r["batch_size"]: r["seconds_to_target_mean"] for r in study.rows if r["reached"] == r["seeds"]}
-    fastest = min(reached, key=lambda b: reached[b]) if reached else None
-    return adaptive.verdict_text(study.adaptive, fastest, study.verdict.best)
-
-
-def adaptive_text(study: Study) -> str:
-    """sweep.adaptive: its verdict, then each fixed batch size's paired differences (adaptive − fixed)."""
-    assert study.adaptive is not None
-    lines = [
-        adaptive_verdict(study),
-        "",
-        "Adaptive − fixed, paired by seed (mean ± 95% CI; * measurable under Holm's correction over all "
-        f"{len(study.adaptive.comparisons)} comparisons):",
-        "",
-        "| fixed batch | Δ steps to target | Δ examples to target | Δ seconds to target | Δ test F1 |",
-        "|---|---|---|---|---|",
-    ]
-    digits = {"steps_to_target": 0, "examples_to_target": 0, "seconds_to_target": 2, "test_f1_macro": 4}
-    for batch in sorted(study.lr_choice):
-        cells = []
-        for figure in ("steps_to_target", "examples_to_target", "seconds_to_target", "test_f1_macro"):
-            c = study.adaptive.against(batch, figure)
-            half = f" ± {c.diff_ci95:.{digits[figure]}f}" if math.isfinite(c.diff_ci95) else ""
-            text = f"{c.diff_mean:+.{digits[figure]}f}{half}{' *' if c.measurable else ''}"
-            cells.append(text if math.isfinite(c.diff_mean) else "—")
-        lines.append(f"| {batch} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def _shared(study: Study) -> str:
