@@ -1,6 +1,6 @@
 """The default batch-size study: wall time next to the sum of its experiments' training time,
 what tracking adds per experiment (the same study with tracking on and off), what the study's
-own probes (solo speed, step memory) cost, the default seeds against one seed by the sweep's wall
+own probes (the throughput table, step memory) cost, the default seeds against one seed by the sweep's wall
 figure, and the study's answer (B_crit, its interval, R², B_simple, the recommended batch size)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 from batchlab import stages
 from batchlab.config import Config, load_config
 from batchlab.paths import Paths
-from batchlab.sweep import probes
+from batchlab.sweep import probes, speeds
 from batchlab.sweep.run import run_sweep
 from common import REPO, Table, markdown, progress, timed, working_dir
 
@@ -24,21 +24,21 @@ PROBES_TARGET = 0.15  # issue #26: the probes cost at most 15% of the default st
 SEEDS_TARGET = 2.0  # issue #26: the default seeds at most 2x one seed's sweep wall time
 
 
-PROBES = {name: getattr(probes, name) for name in ("solo_speed", "step_memory")}  # the unwrapped functions
+# the unwrapped functions: the throughput table (measured once per sweep folder) and the step memory
+PROBES = {(speeds, "table_for"): speeds.table_for, (probes, "step_memory"): probes.step_memory}
 
 
 def _timing_probes() -> dict[str, float]:
     """Wrap the study's probes to add up their seconds in this process; their caches emptied first."""
     spent = {"probes_s": 0.0}
-    for name, probe in PROBES.items():
+    for (module, name), probe in PROBES.items():
 
         def timed_probe(*args: Any, _probe: Any = probe) -> Any:
             result, seconds = timed(lambda: _probe(*args))
             spent["probes_s"] += seconds
             return result
 
-        setattr(probes, name, timed_probe)
-    probes._SOLO_SPEED.clear()
+        setattr(module, name, timed_probe)
     probes._STEP_MEMORY.clear()
     return spent
 
