@@ -16,7 +16,7 @@ from batchlab import atomic, data, tracking
 from batchlab import config as config_module
 from batchlab.config import Config
 from batchlab.paths import Paths
-from batchlab.training import launch, throughput, tracked
+from batchlab.training import launch, tracked
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ def train(
     """Train on the prepared data, in this process or, under `strategy: ddp|fsdp`, on ranks started by torchrun."""
     launch.apply_stage_threads("train", cfg, paths.data)  # the CLI and the flows alike
     dataset = dataset or data.load(paths.data)
+    from batchlab.training import throughput  # torch: not for `batchlab generate`
+
     cfg = throughput.with_step_time(cfg, dataset, paths.outputs / ".batchlab" / "throughput.json")
     if cfg.train.node_rank > 0:  # another machine's ranks: node 0 tracks and writes every output
         tracked.check_trainable(cfg, dataset)

@@ -163,6 +163,17 @@ def test_experiments_differ_only_in_batch_size_and_lr() -> None:
     assert all(torch.equal(weights[0][k], w[k]) for w in weights[1:] for k in w)
 
 
+def test_the_fixed_rows_stay_fixed_when_params_ask_batchlab_train_for_an_adaptive_batch() -> None:
+    """`dvc exp run -S train.adaptive_batch=true` (the README's) is for `batchlab train`: the sweep's
+    fixed rows train at their batch size, and only sweep.adaptive's rows adapt (before, every fixed
+    row adapted too, and under the time rule the sweep stopped asking for a step time)."""
+    cfg = tiny_config(train={"adaptive_batch": True, "batch_size": 16}, sweep={"adaptive": True})
+    configs = {e.name: experiment_config(cfg, e) for e in plan(cfg, n_train=420)}
+    assert {name: c.train.adaptive_batch for name, c in configs.items()} == {
+        name: name.startswith("adaptive") for name in configs
+    }
+
+
 def test_batch_larger_than_train_split_is_rejected_before_anything_runs(workdir: Path) -> None:
     cfg = tiny_config(sweep={"batch_sizes": [32, 4096]})
     stages.generate(cfg, Paths(workdir))

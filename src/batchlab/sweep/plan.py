@@ -171,6 +171,7 @@ def experiment_config(cfg: Config, exp: Experiment) -> Config:
         eval_every_steps=exp.eval_every_steps,
         curve_weights=exp.curve_weights,
         gns_every=exp.gns_every,
+        adaptive_batch=False,  # a fixed row is fixed, whatever train.adaptive_batch says for `batchlab train`
     )
     if exp.adaptive:  # its lr follows the sweep's rule, its step time the sweep's clock
         rule = cfg.sweep.lr_scaling

@@ -44,8 +44,8 @@ def prepare(cfg: Config, paths: Paths) -> Sweep:
         if done:
             finished[exp.name] = done
     earlier = sweep_state.earlier_wall_seconds(state, finished)
-    sweep = Sweep(experiments, finished, key, state.get("parent_run_id"), earlier, state.get("reported"), started)
-    sweep.clock = clock
+    sweep = Sweep(experiments, finished, key, state.get("parent_run_id"), earlier, state.get("reported"), started,
+                  clock)  # fmt: skip
     if sweep.up_to_date:
         log.info(
             "sweep: all %d experiments already finished; nothing to do (to re-measure: delete %s/; under "
