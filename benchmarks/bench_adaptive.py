@@ -27,6 +27,11 @@ STUDIES: dict[str, dict[str, Any]] = {
     "CNN on digits_images": {"data": {"source": "digits_images"}, "model": {"name": "cnn"}},
     "transformer on sequences": {"data": {"source": "sequences"}, "model": {"name": "transformer"}},
 }
+# BATCHLAB_BENCH_STUDIES=default,CNN: the studies whose names start with these (the transformer's
+# take ~25 min each here: its probe runs vmap's fallback for attention)
+if os.environ.get("BATCHLAB_BENCH_STUDIES"):
+    chosen = os.environ["BATCHLAB_BENCH_STUDIES"].split(",")
+    STUDIES = {k: v for k, v in STUDIES.items() if any(k.startswith(c) for c in chosen)}
 RULES = ("time", "statistical")
 
 
@@ -72,6 +77,7 @@ def main() -> dict[str, Any]:
                 study, wall = _study(_config(overrides, rule), Path(tmp))
             row, figures = _row(study)
             table.add(name, rule, *row[:-1], f"{load:.2f}", f"{wall:.0f}")
+            progress(f"adaptive: {name}, {rule}: " + " | ".join(row[:-1]))  # a cut-short run keeps its rows
             raw[f"{name} / {rule}"] = {**figures, "load": load, "wall_s": wall}
     tables = [table.as_dict()]
     print(markdown(tables))

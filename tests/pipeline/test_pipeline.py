@@ -215,9 +215,12 @@ def test_a_second_dvc_repro_at_once_is_refused_and_the_first_completes(repo_copy
         second = run(["dvc", "repro", "train"], repo_copy, check=False)
     finally:
         os.killpg(first.pid, signal.SIGCONT)
-    # DVC's lock on the stage's outputs (rwlock) or on the repo: either way the second touches nothing
+    # DVC's lock on the stage's outputs (rwlock) or on the repo, or, under load, SQLite's on DVC's
+    # state database held by the frozen first ("unexpected error - locking protocol", seen once at
+    # load 4 on 2 cores): each way the second touches nothing, which the lines below check
     refused = second.stderr + second.stdout
-    assert second.returncode != 0 and ("is busy" in refused or "Unable to acquire lock" in refused), refused
+    said = ("is busy", "Unable to acquire lock", "locking protocol")
+    assert second.returncode != 0 and any(s in refused for s in said), refused
     out, _ = first.communicate(timeout=600)
     assert first.returncode == 0 and "train" in _ran(out.decode())
     assert _changes(repo_copy, "train") == set()
