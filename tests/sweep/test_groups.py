@@ -37,7 +37,7 @@ def test_a_batchnorm_factory_sweep_reads_each_experiments_speed_from_the_table(t
     work = groups.groups(cfg, todo, paths)
     assert [len(w) for w in work] == [1] * 4
 
-    table = speeds.table_for(cfg, paths, todo)
+    table = speeds.table_for(cfg, paths, todo, dataset)
     assert table is not None and table.probe is not None  # the table times the probe when train.gns is on
     lane = Lane(cfg, paths, None, table)
     results = executors.run_local(lane, work)
@@ -49,4 +49,4 @@ def test_a_batchnorm_factory_sweep_reads_each_experiments_speed_from_the_table(t
         assert row["samples_per_s"] == table.samples_per_s(exp.batch_size), exp.name
         expected = [examples / row["samples_per_s"] for examples in row["epoch_examples"]]
         assert row["epoch_train_seconds"] == pytest.approx(expected, rel=1e-12), exp.name
-    assert speeds.table_for(cfg, paths, todo) == table  # stored: a resumed sweep reads the same clock
+    assert speeds.table_for(cfg, paths, todo, dataset) == table  # stored: a resumed sweep reads the same clock

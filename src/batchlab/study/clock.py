@@ -13,7 +13,7 @@ def text(clock: dict[str, Any]) -> str:
     load = f"{clock['load_before'][0]:.2f} before, {clock['load_after'][0]:.2f} after"
     probe = clock.get("probe")
     probe_line = (
-        f" The noise probe takes {1e3 * sorted(probe['seconds'])[len(probe['seconds']) // 2]:.2f} ms a measurement "
+        f" The noise probe takes {1e3 * clock['probe_seconds']:.2f} ms a measurement "
         "(timed in the same rounds). Each experiment's seconds count its steps at its batch's speed; an adaptive "
         "run's also count each probe it took at this figure (it decides on them), a fixed one's do not (the study "
         "probes every experiment once an epoch to read the noise scale at the target: the study's cost)."

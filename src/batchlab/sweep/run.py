@@ -32,7 +32,7 @@ def prepare(cfg: Config, paths: Paths) -> Sweep:
     started = time.perf_counter()  # the sweep's wall time counts its clock's block
     dataset = data.load(paths.data)
     experiments = plan.plan(cfg, dataset.train.y.shape[0], dataset)
-    clock = speeds.table_for(cfg, paths, experiments)  # the sweep's first step
+    clock = speeds.table_for(cfg, paths, experiments, dataset)  # the sweep's first step
     experiments = plan.with_step_time(experiments, clock, cfg)
     data_hash = dataset.content_hash()
     key = sweep_key(cfg, data_hash)

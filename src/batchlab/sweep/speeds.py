@@ -13,7 +13,6 @@ DDP and FSDP sweeps keep each experiment's own epochs' median: the table times o
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -42,35 +41,20 @@ def batch_sizes(experiments: list[Experiment]) -> list[int]:
     sizes = {e.batch_size for e in experiments if not e.adaptive}
     for e in experiments:
         if e.adaptive:
-            b = e.batch_size
-            while b <= (e.max_batch_size or b):
-                sizes.add(b)
-                b *= 2
+            sizes.update(throughput.doublings(e.batch_size, e.max_batch_size or e.batch_size))
     return sorted(sizes)
 
 
-def table_key(cfg: Config, dataset: data.Dataset, sweep_threads: int) -> str:
-    tc = cfg.train
-    what = {
-        "model": cfg.model.model_dump(),
-        "data": [list(dataset.input_shape), dataset.n_classes, dataset.vocab, int(dataset.train.y.shape[0])],
-        "train": [tc.strategy, tc.precision, tc.device, tc.optimizer, tc.grad_accum_steps, tc.gns, sweep_threads],
-        "machine": throughput.machine(),
-        "code": code_hash(),
-    }
-    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def table_for(cfg: Config, paths: Paths, experiments: list[Experiment]) -> Table | None:
+def table_for(cfg: Config, paths: Paths, experiments: list[Experiment], dataset: data.Dataset) -> Table | None:
     """The sweep's throughput table: the stored one while its key holds and it has every batch size,
     else measured now (on the sweep's threads) and stored. None under DDP/FSDP."""
     if cfg.train.strategy != "single":
         log.info("sweep: samples/s from each experiment's own epochs (the throughput table times one process, "
                  "not train.strategy %s)", cfg.train.strategy)  # fmt: skip
         return None
-    dataset = data.load(paths.data)
     n = threads.sweep_threads(cfg, data.shape(paths.data))
-    key, sizes, path = table_key(cfg, dataset, n), batch_sizes(experiments), table_path(paths)
+    key = throughput.table_key(cfg, dataset, n, code_hash())
+    sizes, path = batch_sizes(experiments), table_path(paths)
     if path.is_file():
         stored = Table.from_dict(json.loads(path.read_text()))
         if stored.key == key and all(stored.entry(b) is not None for b in sizes):

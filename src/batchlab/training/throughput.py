@@ -112,6 +112,7 @@ class Table:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["rows"] = [self.row(e.batch_size) for e in self.entries]  # what a reader wants, derived
+        out["probe_seconds"] = self.probe_seconds
         return out
 
     def row(self, batch: int) -> dict[str, float]:
@@ -185,11 +186,11 @@ class _Probing:
     def __init__(self, cfg: Config, dataset: Dataset, device: torch.device) -> None:
         self.device = device
         model = initial_model(cfg, dataset.input_shape, dataset.n_classes, dataset.vocab).to(device).train()
-        self.probe = FullSplitProbe(model, F.cross_entropy, *split_tensors(dataset.train, device), every=1)
+        self.probe = FullSplitProbe(model, F.cross_entropy, *split_tensors(dataset.train, device))
         self.steps = 1
 
     def step(self) -> None:
-        assert self.probe.small(2) is not None  # every=1 measures from step 2
+        self.probe.measure(0)
 
     def window(self) -> float:
         return _window(self.step, self.steps, self.device)
@@ -249,6 +250,24 @@ def machine() -> str:
     return f"{platform.node()}|{platform.machine()}|{platform.processor()}|torch {torch.__version__}"
 
 
+def doublings(start: int, cap: int) -> list[int]:
+    """start, 2·start, 4·start, ... up to `cap`: the batches an adaptive schedule can take."""
+    sizes = [start]
+    while sizes[-1] * 2 <= cap:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def table_key(cfg: Config, dataset: Dataset, threads: int, *extra: object) -> str:
+    """What a table's speeds depend on: the model, the data's shape, the step's strategy, precision,
+    device, optimizer and accumulation, whether it probes, the threads and the machine (and `extra`)."""
+    tc = cfg.train
+    what = [cfg.model.model_dump(), list(dataset.input_shape), dataset.n_classes, dataset.vocab,
+            int(dataset.train.y.shape[0]), tc.strategy, tc.precision, tc.device, tc.optimizer, tc.grad_accum_steps,
+            tc.gns, threads, machine(), *extra]  # fmt: skip
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def with_step_time(cfg: Config, dataset: Dataset, cache: Path) -> Config:
     """`cfg` with train.adapt_step_time filled in where the time rule needs it and it is null: the fit
     of a table timed now over the batches the schedule can take (train.batch_size doubled up to its
@@ -261,12 +280,8 @@ def with_step_time(cfg: Config, dataset: Dataset, cache: Path) -> Config:
         raise ConfigError("train.adapt_rule time on several machines needs the same step time on each: set "
                           "train.adapt_step_time: [a, b] (a one-machine `batchlab train` logs its fit)")  # fmt: skip
     n_train = int(dataset.train.y.shape[0])
-    cap, sizes = min(tc.max_batch_size or n_train, n_train), [tc.batch_size]
-    while sizes[-1] * 2 <= cap:
-        sizes.append(sizes[-1] * 2)
-    what = [cfg.model.model_dump(), list(dataset.input_shape), dataset.n_classes, dataset.vocab, n_train, sizes,
-            tc.precision, tc.device, tc.optimizer, tc.grad_accum_steps, torch.get_num_threads(), machine()]  # fmt: skip
-    key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    sizes = doublings(tc.batch_size, min(tc.max_batch_size or n_train, n_train))
+    key = table_key(cfg, dataset, torch.get_num_threads(), sizes)
     stored = Table.from_dict(json.loads(cache.read_text())) if cache.is_file() else None
     if stored is None or stored.key != key:
         log.info("adaptive batch: timing batch sizes %s side by side for the time rule", ", ".join(map(str, sizes)))
