@@ -140,7 +140,9 @@ def test_a_figure_the_seeds_share_is_one_measurement_not_a_mean_plus_minus_zero(
     assert row["samples_per_s_mean"] == 4000.0 and math.isnan(row["samples_per_s_ci95"])
     assert math.isfinite(row["test_f1_macro_ci95"])
     text = report.write(found, tmp_path, _context())
-    line = next(line for line in text.splitlines() if line.startswith("| 16 |"))
+    line = next(line for line in text.splitlines() if line.startswith("| **16** (best F1) |"))  # F1 ties: the first
+    assert found.verdict.recommended == 256  # the fastest to the target: the table marks it
+    assert sum(line.startswith("| **256** (recommended) |") for line in text.splitlines()) == 1
     assert "| 4000 | 0.132 |" in line and line.endswith("| 600 |")  # samples/s, step memory, peak RSS
     assert "0.9505 ± 0.0064" in line  # F1 keeps its interval
     assert "but samples/s, step memory (MiB), peak RSS (MiB): one measurement per batch size" in text
@@ -172,6 +174,10 @@ def test_the_headline_names_the_recommended_batch_and_why_in_two_lines() -> None
     first, second = report.headline(found).strip().splitlines()
     verdict = found.verdict
     assert first.startswith(f"**Recommended: batch {verdict.recommended}**, the fastest to the target val loss")
-    assert f"(batch {verdict.best})" in first
-    assert second.startswith("Measurably worse in F1: 256; critical batch size ")
+    seconds = {r["batch_size"]: r["seconds_to_target_mean"] for r in found.rows}
+    assert (verdict.best, verdict.recommended) == (16, 64)  # 16 and 64 tie in F1: the first is "best"
+    assert verdict.speedup == pytest.approx(seconds[16] / seconds[64], rel=1e-12)
+    assert f": {verdict.speedup:.1f}x faster to the target than batch 16, the highest in mean test F1" in first
+    assert "at a test F1 +0.0000 ± 0.0000 against it (paired by seed)." in first  # the same F1 on every seed
+    assert second.startswith("Beaten measurably in F1: 256 by 16, 64; critical batch size ")
     assert f"{found.fit.b_crit:.0f}" in second

@@ -42,8 +42,14 @@ def table(study: Study) -> str:
         reached = "" if r["reached"] == r["seeds"] else f" ({r['reached']}/{r['seeds']} reached)"
         cells = [_cell(r, key, digits) for _, key, digits in COLUMNS]
         cells[2] += reached
-        lines.append(f"| {r['batch_size']} | {r['lr']:.4g} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_batch_cell(study, r['batch_size'])} | {r['lr']:.4g} | " + " | ".join(cells) + " |")
     return header + "\n".join(lines) + "\n"
+
+
+def _batch_cell(study: Study, batch: int) -> str:
+    """The batch column marks the recommendation and the best mean F1."""
+    marks = [m for m, b in (("recommended", study.verdict.recommended), ("best F1", study.verdict.best)) if b == batch]
+    return f"**{batch}** ({', '.join(marks)})" if marks else str(batch)
 
 
 def _bound(value: float) -> str:
@@ -156,19 +162,23 @@ def budget_text(study: Study, budget_mb: float | None) -> str:
 
 
 def headline(study: Study) -> str:
-    """The answer in two lines, which the parent run's description opens on: the batch size, and why."""
+    """The answer in two lines, which the parent run's description opens on: the batch size with its
+    price against the best-F1 batch, then what was beaten and the critical batch size."""
     verdict, fit = study.verdict, study.fit
-    worse = [b for b in sorted(r["batch_size"] for r in study.rows) if b not in verdict.tied]
-    first = (
-        f"**Recommended: batch {verdict.recommended}**, {verdict.why} among the batch sizes whose test F1 "
-        f"is not measurably worse than the best's (batch {verdict.best})."
+    first = verdict.first_line.replace(
+        f"Recommended: batch {verdict.recommended}", f"**Recommended: batch {verdict.recommended}**", 1
     )
+    beaten = [
+        f"{b} by {', '.join(map(str, verdict.beaten_by(b)))}"
+        for b in sorted(r["batch_size"] for r in study.rows)
+        if b not in verdict.candidates
+    ]
     if isinstance(fit, critical.NoFit):
         crit = f"no critical batch size ({fit.reason})"
     else:
         interval = f", 95% interval {fit.b_crit_low:.0f}–{fit.b_crit_high:.0f}" if math.isfinite(fit.b_crit_low) else ""
         crit = f"critical batch size {fit.b_crit:.0f}{interval}, R² {fit.r2:.3f}"
-    text = f"{first}\nMeasurably worse in F1: {', '.join(map(str, worse)) or 'none'}; {crit}.\n"
+    text = f"{first}\nBeaten measurably in F1: {'; '.join(beaten) or 'none'}; {crit}.\n"
     if study.adaptive is not None:  # sweep.adaptive: its verdict's last sentence, the goal
         text += "Adaptive batch: " + adaptive.study_verdict(study).rsplit(". ", 1)[-1] + "\n"
     return text
