@@ -123,7 +123,7 @@ def test_no_candidate_beats_the_recommendation_measurably() -> None:
         assert result.recommended not in beaten
         assert result.candidates == [b for b in batches if b not in beaten]
         assert result.recommended == min(result.candidates, key=seconds.__getitem__)
-        excluded_fastest += 256 in beaten and 256 != result.recommended
+        excluded_fastest += 256 in beaten and result.recommended != 256
     assert excluded_fastest > 30  # the rule bites: 256 would have been picked in those studies
 
 
@@ -147,7 +147,7 @@ def test_the_first_line_states_the_price_against_the_best_and_a_close_call() -> 
     assert result.speedup == pytest.approx(0.09 / 0.04)
     first = result.text.splitlines()[0]
     assert first.startswith("Recommended: batch 128, the fastest to the target val loss (0.04 s of training)")
-    assert f"2.2x faster to the target than batch 32, the highest in mean test F1 (0.09 s)" in first
+    assert "2.2x faster to the target than batch 32, the highest in mean test F1 (0.09 s)" in first
     assert f"at a test F1 {result.f1_diff[0]:+.4f} ± {result.f1_diff[1]:.4f} against it" in first
     # Holm's thresholds for m = 3: the smallest p against 0.05/3, the next 0.05/2, the largest 0.05
     ranked = sorted(p.values())

@@ -196,7 +196,7 @@ def _first_line(verdict: Verdict, seconds_to_target: Mapping[int, float | None],
     rec, best = verdict.recommended, verdict.best
     head = f"Recommended: batch {rec}, {verdict.why} among the batch sizes no other beats measurably in test F1"
     if rec == best:
-        return head + f"; it is also the highest in mean test F1."
+        return head + "; it is also the highest in mean test F1."
     diff, half = verdict.f1_diff
     interval = f"{diff:+.4f} ± {half:.4f}" if math.isfinite(half) else f"{diff:+.4f} (one seed: no interval)"
     best_s = seconds_to_target.get(best)
@@ -205,7 +205,8 @@ def _first_line(verdict: Verdict, seconds_to_target: Mapping[int, float | None],
     elif best_s is None:
         speed = f"batch {best}, the highest in mean test F1, did not reach the target on every seed"
     else:
-        speed = f"{verdict.speedup:.1f}x faster to the target than batch {best}, the highest in mean test F1 ({best_s:.2f} s)"
+        speed = f"{verdict.speedup:.1f}x faster to the target than batch {best}, the highest in mean test F1"
+        speed += f" ({best_s:.2f} s)"
     line = f"{head}: {speed}, at a test F1 {interval} against it (paired by seed)"
     close = [p for p in verdict.pairs if p.lower == rec and p.close]
     if close:
