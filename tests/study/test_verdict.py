@@ -30,10 +30,7 @@ def test_consistently_worse_batch_is_excluded_from_the_recommendation() -> None:
     f1 = {16: {0: 0.96, 1: 0.961, 2: 0.962}, 512: {0: 0.90, 1: 0.905, 2: 0.899}}
     result = verdict.decide(f1, {16: 5.0, 512: 0.5}, {16: 1e4, 512: 9e4}, n_test=600)
     assert result.candidates == [16] and result.recommended == 16
-    assert (
-        "Beaten measurably (paired t-tests by seed over 3 seeds, Holm's correction over all 1 pairwise comparisons at 5% family-wise error): 512 by 16"
-        in result.text
-    )
+    assert "Holm's correction over all 1 pairwise comparisons at 5% family-wise error): 512 by 16." in result.text
 
 
 def test_one_seed_says_no_ranking_can_be_trusted() -> None:
