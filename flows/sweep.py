@@ -22,7 +22,7 @@ from batchlab import orchestration
 from batchlab.paths import Paths
 from batchlab.sweep import executors, groups, lock, progress
 from batchlab.sweep.plan import Lane, Work
-from batchlab.sweep.run import finish, parent_run, prepare, run_counted
+from batchlab.sweep.run import prepare, run_prepared
 from batchlab.training import launch
 from pipeline import generate  # flows/ is on sys.path when a flow file runs
 
@@ -69,9 +69,7 @@ def batch_size_sweep(
         launch.apply_stage_threads("sweep", cfg, paths.data)  # as `batchlab sweep` does
         executor = executors.for_sweep(cfg, local=in_lanes)  # sweep.executor: dask runs a subflow on the cluster
         study = prepare(cfg, paths)
-        with parent_run(cfg, paths, study) as parent:
-            results = run_counted(executor, Lane(cfg, paths, parent.run_id, study.clock), study)
-            summary = finish(cfg, paths, study, results, parent)
+        summary = run_prepared(cfg, paths, executor, study)
     create_markdown_artifact(
         key="batchlab-sweep", markdown=f"**MLflow parent run:** `{study.parent_run_id}`\n\n{summary['markdown']}"
     )

@@ -26,10 +26,17 @@ def _positive(text: str) -> int:
     return int(text)
 
 
-def ui_url(port: int, experiment: str | None) -> str:
-    """MLflow 3's UI opens an experiment on its GenAI overview; this parameter opens the runs table."""
+def ui_url(port: int, experiment: str | None, view: str | None = None) -> str:
+    """The newest sweep's saved view (tracking/views.py) when there is one; else the runs table
+    (MLflow 3's UI opens an experiment on its GenAI overview without workflowType)."""
+    from batchlab.tracking import views
+
     base = f"http://127.0.0.1:{port}"
-    return base if experiment is None else f"{base}/#/experiments/{experiment}?workflowType=machine_learning"
+    if experiment is None:
+        return base
+    if view is not None:
+        return f"{base}/{views.link(experiment, view)}"
+    return f"{base}/#/experiments/{experiment}?workflowType=machine_learning"
 
 
 Argument = tuple[tuple[str, ...], dict[str, Any]]
@@ -138,10 +145,12 @@ def _noise_scale(args: argparse.Namespace) -> None:
 
 
 def _ui_url(args: argparse.Namespace) -> None:
+    from batchlab.tracking import views
     from batchlab.tracking.backend import experiment_id
 
     cfg = _config(args)
-    print(ui_url(args.port, experiment_id(args.store, cfg.tracking.experiment)))
+    found = experiment_id(args.store, cfg.tracking.experiment)
+    print(ui_url(args.port, None) if found is None else ui_url(args.port, found[0], views.newest(found[1])))
 
 
 def _predict(args: argparse.Namespace) -> None:  # onnxruntime only: no torch; an ONNX file needs no params.yaml
@@ -251,7 +260,8 @@ COMMANDS: dict[str, Command] = {
         (_arg("--draws", type=_positive, default=8, help="dropout masks per row (default 8)"),),
     ),
     "ui-url": Command(
-        "print the MLflow UI address that opens tracking.experiment's runs table (`make ui` prints it)",
+        "print the MLflow UI address that opens the newest sweep's charts, else tracking.experiment's runs "
+        "table (`make ui` prints it)",
         "Reads params.yaml's tracking section and the MLflow store (read only; no mlflow import). Writes nothing.",
         _ui_url,
         (

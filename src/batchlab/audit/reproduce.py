@@ -36,7 +36,13 @@ from batchlab.tracking.record import RunRecord
 log = logging.getLogger(__name__)
 
 # per-epoch figures that measure the machine, not the model
-MACHINE_METRICS = {"samples_per_s", "epoch_seconds", "peak_memory_mb"}
+MACHINE_METRICS = {
+    "samples_per_s",
+    "epoch_seconds",
+    "samples_per_s_group_share",
+    "epoch_seconds_group_share",
+    "peak_memory_mb",
+}
 
 
 class CannotReproduce(DataError):

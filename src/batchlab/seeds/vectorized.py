@@ -221,6 +221,11 @@ class _EpochFigures:
     seconds: float  # its share of the group's time
 
 
+# a seed trained in a group logs its speed as its share of the group's epoch (the group's wall time
+# over the seeds it trained), under names of their own: not the speed of this seed trained alone
+GROUP_SHARE = {"samples_per_s": "samples_per_s_group_share", "epoch_seconds": "epoch_seconds_group_share"}
+
+
 def _finish_epoch(
     seed: Seed,
     epoch: int,
@@ -243,7 +248,7 @@ def _finish_epoch(
     row = epoch_row(epoch, stats, val_logits, y_val, steps * tc.batch_size, seconds, lr, strategy, noise)
     if state.record(row, stats.last_nonfinite_run):
         seed.trainee.keep_best()
-    seed.tracker.log_epoch(row, step=epoch + 1)
+    seed.tracker.log_epoch({GROUP_SHARE.get(k, k): v for k, v in row.items()}, step=epoch + 1)
 
 
 def _result(seed: Seed, dataset: Dataset, strategy: Strategy) -> TrainResult:

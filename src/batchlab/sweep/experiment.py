@@ -96,7 +96,7 @@ def record(
     while it is open, checked fully recorded once it has ended, and kept: every experiment's tail,
     trained alone or with its seeds. Returns its result row."""
     exp = job.exp
-    tags = {**experiment_tags(exp, job.key), **(tags or {})}
+    tags = {**lane.tags, **experiment_tags(exp, job.key), **(tags or {})}
     run = tracked.train_run(job.cfg, lane.folder(exp), dataset, lane.parent_run_id, f"sweep-{exp.name}", tags)
     with run as tracker:
         trained = train(tracker)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,7 @@ class Lane:
     paths: Paths
     parent_run_id: str | None = None
     clock: Table | None = None
+    tags: dict[str, str] = field(default_factory=dict)  # every child run's: run.origin_tags
 
     def folder(self, exp: Experiment) -> Paths:
         return folder_of(self.paths, exp)

@@ -71,21 +71,51 @@ def sweep_key(cfg: Config, data_hash: str) -> str:
     return f"{digest}-{data_hash}-{plan.code_hash()}"
 
 
+def origin_tags(executor: str) -> dict[str, str]:
+    """Where a sweep's runs came from: what started it (`dvc`, `exp-<name>` for `dvc exp run`,
+    `prefect-<flow run>`, `cli`) and where its experiments trained (`local`, `dask`). Its children
+    get the parent's, since a Dask worker cannot see what started the sweep."""
+    return {"batchlab.origin": tracking.origin(), "batchlab.executor": executor}
+
+
+def sweep_name(cfg: Config, origin: str) -> str:
+    """The parent run's name: what started it and what differs between sweeps, e.g.
+    `dvc-sweep-single-fp32-bs16-512-3f9a2c` (the last part a hash of every model, train and sweep
+    setting that is not placement, so two sweeps that differ in anything have different names)."""
+    sizes = cfg.sweep.batch_sizes
+    settings = cfg.model_dump(include={"model", "train", "sweep"}, exclude={"sweep": PLACEMENT})
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:6]
+    return f"{origin}-sweep-{cfg.train.strategy}-{cfg.train.precision}-bs{min(sizes)}-{max(sizes)}-{digest}"
+
+
+def configuration(cfg: Config, tags: dict[str, str]) -> str:
+    """The parent's description opens on this line: the sweep's configuration, and where it came from."""
+    sweep, train = cfg.sweep, cfg.train
+    model = cfg.model.factory or cfg.model.name
+    return (
+        f"Sweep of batch sizes {', '.join(map(str, sweep.batch_sizes))} × {len(sweep.seeds)} seed(s), "
+        f"{sweep.epochs or train.epochs} epochs: {model} on {cfg.data.source} data, {train.strategy} "
+        f"{train.precision}, {train.optimizer} at lr {train.lr:g} for batch {train.batch_size} "
+        f"({sweep.lr_scaling} scaling); from {tags['batchlab.origin']}, trained {tags['batchlab.executor']}."
+    )
+
+
 @contextlib.contextmanager
-def parent_run(cfg: Config, paths: Paths, sweep: Sweep) -> Iterator[tracking.Tracker]:
+def parent_run(cfg: Config, paths: Paths, sweep: Sweep, tags: dict[str, str]) -> Iterator[tracking.Tracker]:
     """The sweep's parent MLflow run, re-opened when resuming; none when the sweep is up to date
-    (nothing new to log)."""
+    (nothing new to log). `tags`: origin_tags."""
     if sweep.up_to_date:
         yield tracking.Tracker()
         return
-    name = f"sweep-{'-'.join(map(str, cfg.sweep.batch_sizes))}"
+    name = sweep_name(cfg, tags["batchlab.origin"])
     resuming = sweep.parent_run_id is not None
     with tracking.run(cfg.tracking, run_id=sweep.parent_run_id, name=None if resuming else name) as parent:
         sweep.parent_run_id = parent.run_id
         sweep_state.save(paths, sweep, sweep.wall_seconds, attempt_started_at=time.time(), reported=None)
         if not resuming:
             parent.log_params({**cfg.flat(), "sweep.n_experiments": len(sweep.experiments)})
-            parent.set_tags({"sweep": "parent", **tracking.environment_tags()})
+            parent.set_tags({"sweep": "parent", **tags, **tracking.environment_tags()})
+            parent.set_tags({tracking.NOTE: configuration(cfg, tags)})  # until the report replaces it
         try:
             yield parent
         except BaseException:
@@ -95,7 +125,12 @@ def parent_run(cfg: Config, paths: Paths, sweep: Sweep) -> Iterator[tracking.Tra
 
 
 def finish(
-    cfg: Config, paths: Paths, sweep: Sweep, results: dict[str, dict[str, Any]], parent: tracking.Tracker
+    cfg: Config,
+    paths: Paths,
+    sweep: Sweep,
+    results: dict[str, dict[str, Any]],
+    parent: tracking.Tracker,
+    tags: dict[str, str],
 ) -> dict[str, Any]:
     """Analyse every experiment's result, write the report and log it on the parent run.
 
@@ -130,9 +165,12 @@ def finish(
     summary = {**figures, "markdown": markdown}
     if sweep.up_to_date:
         return summary
-    parent.log_metrics({k: float(v) for k, v in figures.items()})
+    # the figures as one table of rounded tags (the run page's Tags), not one chart each; the
+    # headline three as metrics too, so the runs table shows them as columns beside other sweeps
+    parent.set_tags({f"study.{k}": f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in figures.items()})
+    parent.log_metrics({k: float(figures[k]) for k in HEADLINE if k in figures})
     parent.log_table(result.rows, "sweep/summary_table.json")
-    parent.set_tags({tracking.NOTE: description(result, markdown, parent)})
+    parent.set_tags({tracking.NOTE: description(cfg, tags, result, markdown, parent)})
     for file in sorted(folder.iterdir()):
         parent.log_artifact(file, "sweep")
     sweep_state.save(paths, sweep, wall, attempt_started_at=None, reported=sweep_state.digest(ordered))
@@ -142,19 +180,27 @@ def finish(
 TO_TARGET = ("steps_to_target", "examples_to_target", "seconds_to_target")  # logged on each child as summary.*
 
 
-def description(study: analysis.Study, markdown: str, parent: tracking.Tracker) -> str:
-    """The parent run's description in the MLflow UI: the verdict's two lines, a link to the
-    children compared, then the whole report. Each child gets its figures to the study's target
-    (summary.seconds_to_target, …), which only the whole study knows, so the compare page charts them."""
+# the parent's metrics: the columns the runs table shows for every sweep (study.* tags hold the rest)
+HEADLINE = ("recommended_batch_size", "best_f1_batch_size", "b_crit")
+
+
+def description(
+    cfg: Config, tags: dict[str, str], study: analysis.Study, markdown: str, parent: tracking.Tracker
+) -> str:
+    """The parent run's description in the MLflow UI: its configuration, the verdict's two lines, a
+    link to the sweep's saved view (tracking/views.py), then the whole report. Each child gets its
+    figures to the study's target (summary.seconds_to_target, …), which only the whole study knows,
+    so the view charts them."""
     figures = {r["run_id"]: {f"summary.{k}": r[k] for k in TO_TARGET} for r in study.results if r.get("run_id")}
-    link = parent.link_children(figures)
-    compare = (
-        f"[Compare the {len(figures)} experiments]({link}): Scatter Plot, X = `train.batch_size`, "
-        "Y = `summary.test_f1_macro` or `summary.seconds_to_target` (docs/sweep.md).\n\n"
+    parent.link_children(figures)
+    link = parent.save_view(sweep_name(cfg, tags["batchlab.origin"]), "train.batch_size")
+    view = (
+        f"[The study's charts]({link}): its {len(figures)} experiments grouped by batch size; test F1, seconds "
+        "and steps to the target against batch size, and the val-loss curves with their bands (docs/tracking.md).\n\n"
         if link
         else ""
     )
-    return f"{report.headline(study)}\n{compare}{markdown}"
+    return f"{configuration(cfg, tags)}\n{report.headline(study)}\n{view}{markdown}"
 
 
 def run_counted(executor: executors.Executor, lane: plan.Lane, sweep: Sweep) -> dict[str, dict[str, Any]]:
@@ -172,7 +218,12 @@ def run_sweep(cfg: Config, paths: Paths) -> dict[str, Any]:
     executor = executors.for_sweep(cfg)  # its checks fail before anything runs
     with exclusive(paths):
         sweep = prepare(cfg, paths)
-        with parent_run(cfg, paths, sweep) as parent:
-            results = run_counted(executor, plan.Lane(cfg, paths, parent.run_id, sweep.clock), sweep)
-            summary = finish(cfg, paths, sweep, results, parent)
-    return summary
+        return run_prepared(cfg, paths, executor, sweep)
+
+
+def run_prepared(cfg: Config, paths: Paths, executor: executors.Executor, sweep: Sweep) -> dict[str, Any]:
+    """A prepared sweep: its parent run, its experiments through `executor`, then its report."""
+    tags = origin_tags(executor.name)
+    with parent_run(cfg, paths, sweep, tags) as parent:
+        results = run_counted(executor, plan.Lane(cfg, paths, parent.run_id, sweep.clock, tags), sweep)
+        return finish(cfg, paths, sweep, results, parent, tags)

@@ -59,12 +59,11 @@ def _floats(rows: list[dict[str, float]], key: str) -> list[float]:
 
 
 # a child run's own figures, under keys of their own (`summary.*`): logged under the per-epoch
-# names, the runs table would show them as the last epoch's value
+# names, the runs table would show them as the last epoch's value. Its speed is named for what
+# measured it: the sweep's side-by-side table (`_table`) or, for DDP/FSDP, its own epochs' median
 SUMMARY = {
     "summary.test_f1_macro": "test_f1_macro",
     "summary.test_accuracy": "test_accuracy",
-    "summary.samples_per_s_median": "samples_per_s",
-    "summary.epoch_seconds_median": "epoch_seconds",
     "summary.train_seconds": "train_seconds",
     "summary.step_memory_mib": "step_memory_mib",
     "summary.peak_rss_mib": "peak_rss_mib",
@@ -118,7 +117,10 @@ def score(
     }
     result["overhead_seconds"] = time.perf_counter() - started - train_seconds
     result["finished_at"] = time.time()  # what a killed sweep's next attempt counts its wall time up to
-    tracker.log_metrics({key: float(result[k]) for key, k in SUMMARY.items() if math.isfinite(result[k])})
+    measured_by = "table" if clock is not None else "median"
+    speed = {f"summary.{k}_{measured_by}": k for k in ("samples_per_s", "epoch_seconds")}
+    summary = {**SUMMARY, **speed}
+    tracker.log_metrics({key: float(result[k]) for key, k in summary.items() if math.isfinite(result[k])})
     tracker.log_dict(result, RESULT_ARTIFACT)
     log.info("sweep: %s f1 %.4f, %.0f samples/s", exp.name, result["test_f1_macro"], result["samples_per_s"])
     return result

@@ -211,21 +211,24 @@ def quiet_mlflow() -> None:
     logging_utils.disable_logging()
 
 
-def experiment_id(store_uri: str, name: str) -> str | None:
-    """The id of the active experiment `name` in an MLflow SQL store, read with SQLAlchemy;
-    None when the store or the experiment does not exist (yet), or the store is not SQL."""
+def experiment_id(store_uri: str, name: str) -> tuple[str, list[tuple[str, str]]] | None:
+    """The id of the active experiment `name` in an MLflow SQL store, and its tags (key, value),
+    read with SQLAlchemy; None when the store or the experiment does not exist (yet), or the store
+    is not SQL."""
     if store_uri.startswith("sqlite:///") and not Path(store_uri.removeprefix("sqlite:///")).is_file():
         return None  # connecting would create an empty database file
     import sqlalchemy
 
     query = sqlalchemy.text("SELECT experiment_id FROM experiments WHERE name = :name AND lifecycle_stage = 'active'")
+    tags = sqlalchemy.text("SELECT key, value FROM experiment_tags WHERE experiment_id = :id")
     try:
         engine = sqlalchemy.create_engine(store_uri)
         try:
             with engine.connect() as connection:
                 row = connection.execute(query, {"name": name}).first()
+                found = [] if row is None else [(k, v) for k, v in connection.execute(tags, {"id": row[0]})]
         finally:
             engine.dispose()
     except Exception:  # no SQL store (a file or http URI), unreachable, or no tables yet
         return None
-    return None if row is None else str(row[0])
+    return None if row is None else (str(row[0]), found)

@@ -79,6 +79,10 @@ class Tracker:
         """Log {child run id: {metric: value}} on this parent's children; the UI's compare page of them."""
         return None
 
+    def save_view(self, name: str, batch_param: str) -> str | None:
+        """Save a view of this parent's children grouped by `batch_param` (tracking/views.py); its link."""
+        return None
+
     def flush(self) -> None:
         pass
 

@@ -228,6 +228,13 @@ class MlflowTracker(Tracker):
                                          self.run_id, figures)  # fmt: skip
         return link
 
+    def save_view(self, name: str, batch_param: str) -> str | None:
+        from batchlab.tracking import views
+
+        link: str | None = self._persist("the sweep's MLflow view", views.save, self.client, self.run_id, name,
+                                         batch_param)  # fmt: skip
+        return link
+
     def replay_unrecorded(self) -> None:
         """Queue the metrics an earlier command could not record in this run (sent with the next flush)."""
         metrics = metrics_from_rows(outage.load_unrecorded(self.run_id)[0])
