@@ -7,12 +7,12 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import pytest
 import torch
@@ -66,7 +66,10 @@ def test_sweep_records_parent_children_and_report(workdir: Path) -> None:
     assert len(parents) == 1 and len(children) == 6 and len(runs) == 7
     parent = parents[0]
     assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parent.info.run_id}
-    assert parent.info.run_name == "sweep-16-32-64"
+    # what started it and what differs between sweeps: strategy, precision, batch range, a settings hash
+    assert re.fullmatch(r"cli-sweep-single-fp32-bs16-64-[0-9a-f]{6}", parent.info.run_name), parent.info.run_name
+    assert parent.data.tags["batchlab.origin"] == "cli" and parent.data.tags["batchlab.executor"] == "local"
+    assert {c.data.tags["batchlab.origin"] for c in children} == {"cli"}
     assert sorted(c.info.run_name for c in children) == sorted(
         f"sweep-bs{b}-seed{s}" for b in (16, 32, 64) for s in (0, 1)
     )
@@ -74,7 +77,7 @@ def test_sweep_records_parent_children_and_report(workdir: Path) -> None:
         batch = int(child.data.params["train.batch_size"])
         assert float(child.data.params["train.lr"]) == pytest.approx(0.01 * math.sqrt(batch / 32))
         assert child.data.params["train.epochs"] == "3"
-        for key in ("test_f1_macro", "test_accuracy", "samples_per_s_median", "epoch_seconds_median",
+        for key in ("test_f1_macro", "test_accuracy", "samples_per_s_table", "epoch_seconds_table",
                     "train_seconds", "step_memory_mib", "peak_rss_mib", "grad_norm_mean"):  # fmt: skip
             assert f"summary.{key}" in child.data.metrics, (batch, key)
         # per-epoch series hold epochs only: no summary figure logged at a stray step 0
@@ -98,19 +101,26 @@ def test_sweep_records_parent_children_and_report(workdir: Path) -> None:
     text = (folder / "summary.md").read_text()
     assert "## Verdict" in text and f"Recommended: batch {summary['recommended_batch_size']}" in text
     assert "Test split: 90 rows" in text and "Target: val loss ≤" in text
+    # three headline metrics (the runs table's columns); every figure as a rounded study.* tag
+    assert set(parent.data.metrics) == {"recommended_batch_size", "best_f1_batch_size", "b_crit"}
     assert parent.data.metrics["recommended_batch_size"] == summary["recommended_batch_size"]
-    assert parent.data.metrics["target_val_loss"] == pytest.approx(summary["target_val_loss"])
     written = json.loads((folder / "sweep.json").read_text())
     assert {k: v for k, v in written.items()} == {k: v for k, v in summary.items() if k != "markdown"}
-    assert {k for k in written if k.startswith(("b_crit", "s_min", "e_min", "fit_r2"))} <= set(parent.data.metrics)
-    # the parent's description opens on the verdict (two lines), links the children compared, then the report
-    note = parent.data.tags["mlflow.note.content"]
-    first, second, _, link, _ = note.split("\n", 4)
-    assert first.startswith(f"**Recommended: batch {summary['recommended_batch_size']}**, ") and second.startswith(
-        "Measurably worse in F1: "
+    tags = parent.data.tags
+    assert {f"study.{k}" for k in written} <= set(tags)
+    assert float(tags["study.target_val_loss"]) == pytest.approx(summary["target_val_loss"], rel=5e-4)
+    assert len(tags["study.target_val_loss"].replace(".", "").lstrip("0")) <= 4  # 4 significant digits
+    # the description opens on the configuration, then the verdict (two lines), the view's link, the report
+    note = tags["mlflow.note.content"]
+    config, first, second, _, link, _ = note.split("\n", 5)
+    assert config.startswith(
+        "Sweep of batch sizes 16, 32, 64 × 2 seed(s), 3 epochs: mlp on synthetic data, single fp32"
     )
-    ids = sorted(c.info.run_id for c in children)
-    assert f"(#/compare-runs?runs={quote(json.dumps(ids, separators=(',', ':')))}&experiments=" in link, link
+    assert config.endswith("from cli, trained local.")
+    assert first.startswith(f"**Recommended: batch {summary['recommended_batch_size']}**, ") and second.startswith(
+        "Beaten measurably in F1: "
+    )
+    assert f"(#/experiments/{parent.info.experiment_id}/runs?viewStateShareKey=batchlab-{parent.info.run_id}&" in link
     assert note.endswith(text)
     rows = {r["name"]: r for r in atomic.read_csv(folder / "steps_vs_examples.csv")}
     for child in children:  # the study's figures to its target, on each child: the compare page charts them
@@ -214,9 +224,9 @@ def test_killed_sweep_resumes_without_redoing_finished_experiments_and_counts_bo
     results = [json.loads(p.read_text()) for p in (tmp_path / "sweep/experiments").glob("*/result.json")]
     written = json.loads((tmp_path / "reports/sweep/sweep.json").read_text())
     assert written["sum_train_seconds"] == pytest.approx(sum(r["train_seconds"] for r in results))
-    totals = client.get_run(parent).data.metrics  # the resumed parent run holds both attempts' totals
-    assert totals["sum_train_seconds"] == pytest.approx(written["sum_train_seconds"])
-    assert totals["sweep_wall_seconds"] == pytest.approx(written["sweep_wall_seconds"])
+    totals = client.get_run(parent).data.tags  # the resumed parent run holds both attempts' totals, rounded
+    assert float(totals["study.sum_train_seconds"]) == pytest.approx(written["sum_train_seconds"], rel=5e-4)
+    assert float(totals["study.sweep_wall_seconds"]) == pytest.approx(written["sweep_wall_seconds"], rel=5e-4)
     # one experiment at a time: the wall time of both attempts covers each experiment's own time
     assert written["sweep_wall_seconds"] >= sum(r["train_seconds"] + r["overhead_seconds"] for r in results)
 
