@@ -23,16 +23,17 @@ pytestmark = pytest.mark.e2e
 
 BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
 
-CHARTS = {  # every chart's title, once each: dvc.yaml's top-level plots, then the stages' plots
+STUDY = "Sweep: val loss vs examples seen, every evaluation of every experiment, by batch size"
+CHARTS = [  # every Vega chart's title, once each, in page order: the study first, then the training
+    STUDY,
     "Loss curves",
-    "Sweep: samples/s vs batch size",
-    "Sweep: step tensor memory (MiB) vs batch size",
     "Validation accuracy",
     "Confusion matrix (test)",
-    "Sweep: test F1 vs batch size",
-    "Sweep: val loss vs examples seen, every evaluation of every experiment",
-    "Sweep: steps vs examples to the target val loss",
-}
+]
+IMAGES = [  # the study's PNGs, moved by the page's script to follow its chart, in reading order
+    "f1_vs_batch", "val_loss_curves", "steps_vs_examples", "throughput_vs_batch", "memory_vs_batch",
+    "noise_scale_curves",
+]  # fmt: skip
 
 
 class _References(HTMLParser):
@@ -95,8 +96,13 @@ def test_plots_page_loads_no_network_script_and_draws_every_chart_once(repo_copy
     assert len(images) == len(set(images)) == 6 and all((page.parent / ref).is_file() for ref in images), images
     assert not any("confusion" in ref for ref in images)  # the matrix is drawn once, from predictions.csv
 
-    charts = _charts(_drawn(browser, page, tmp_path / "profile"))
-    assert set(charts) == CHARTS, sorted(charts)
+    dom = _drawn(browser, page, tmp_path / "profile")
+    assert "<h1>batchlab: the batch-size study, then the training</h1>" in dom
+    charts = _charts(dom)
+    assert list(charts) == CHARTS, list(charts)
+    # the page reads: the study's chart, its images in order, then the training's charts
+    at = [dom.index(f'id="reports_sweep_{name}_png"') for name in IMAGES]
+    assert at == sorted(at) and dom.index(STUDY) < at[0] < dom.index('"mark-group role-title"', at[-1]), at
     assert all(charts.values()), {title: len(marks) for title, marks in charts.items()}  # every chart has marks
     lines = {label.split("field: ")[-1] for label in charts["Loss curves"]}
     assert {"train_loss", "val_loss"} <= lines, lines
@@ -110,6 +116,7 @@ def test_plots_page_loads_no_network_script_and_draws_every_chart_once(repo_copy
     }
     assert cells == dict(truth)  # the cells the browser drew hold predictions.csv's counts
 
-    with open(repo_copy / "reports/sweep/steps_vs_examples.csv") as rows:
-        experiments = sum(1 for _ in csv.DictReader(rows))
-    assert len(charts["Sweep: steps vs examples to the target val loss"]) == experiments  # one point each
+    with open(repo_copy / "reports/sweep/curves.csv") as rows:
+        sizes = Counter(row["batch_size"] for row in csv.DictReader(rows))
+    drawn = Counter(re.search(r"batch size: (\d+)", label)[1] for label in charts[STUDY])  # type: ignore[index]
+    assert drawn == sizes  # every evaluation of every experiment, one point each, coloured by its batch size

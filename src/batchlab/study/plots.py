@@ -37,23 +37,50 @@ def _save(fig: Any, path: Path) -> None:
 
 
 def against_batch(study: Study, folder: Path) -> None:
+    """Test F1, throughput and step memory against batch size, each with what its interval is (in
+    the axis label: the titles stay short enough to fit); the recommended and best-F1 batch sizes
+    marked on the F1 chart, the step memory with and without the noise probe."""
     plt = _pyplot()
     batches = [r["batch_size"] for r in study.rows]
-    for key, label, name in (
-        ("test_f1_macro", "test F1 (macro)", "f1_vs_batch.png"),
-        ("samples_per_s", "throughput (samples/s)", "throughput_vs_batch.png"),
-        ("step_memory_mib", "step tensor memory (MiB)", "memory_vs_batch.png"),
+    for key, label, title, name in (
+        ("test_f1_macro", "test F1 (macro)", "Test F1 vs batch size", "f1_vs_batch.png"),
+        ("samples_per_s", "samples/s (side-by-side table)", "Throughput vs batch size", "throughput_vs_batch.png"),
+        ("step_memory_mib", "step tensor memory (MiB)", "Step memory vs batch size", "memory_vs_batch.png"),
     ):
-        fig, ax = plt.subplots(figsize=(5, 3.5))
+        fig, ax = plt.subplots(figsize=(6, 4))
         means = [r[f"{key}_mean"] for r in study.rows]
         halves = [r[f"{key}_ci95"] for r in study.rows]
         errors = [h if h == h else 0.0 for h in halves]  # NaN: one measurement, no interval
-        ax.errorbar(batches, means, yerr=errors, marker="o", capsize=3)
-        shown = "95% CI" if any(h == h for h in halves) else "one measurement per batch size"
-        ax.set(xlabel="batch size", ylabel=label, title=f"{label} vs batch size ({shown})")
+        shown = "mean, 95% CI over seeds" if any(h == h for h in halves) else "one measurement per batch size"
+        if key == "step_memory_mib":
+            _memory(ax, study, batches)
+        else:
+            ax.errorbar(batches, means, yerr=errors, marker="o", capsize=3, label=shown)
+        if key == "test_f1_macro":
+            _marked(ax, study, batches, means)
+        ax.set(xlabel="batch size", ylabel=label)
+        ax.set_title(title, fontsize=11)
+        ax.legend(fontsize=7)
         _batch_axis(ax, batches)
         fig.tight_layout()
         _save(fig, folder / name)
+
+
+def _marked(ax: Any, study: Study, batches: list[int], means: list[float]) -> None:
+    verdict = study.verdict
+    for batch, marker, text in ((verdict.best, "s", "best F1"), (verdict.recommended, "*", "recommended")):
+        ax.plot(batch, means[batches.index(batch)], marker, ms=12, mfc="none", mec="C3", label=f"{text}: {batch}")
+
+
+def _memory(ax: Any, study: Study, batches: list[int]) -> None:
+    """The step's own tensors (the batch's cost) and the peak with the noise probe's pass, which a
+    probing step adds: two lines, log scale, since the probe's pass can dwarf a small batch's step."""
+    plain = [r.get("step_memory_plain_mib_mean", float("nan")) for r in study.rows]
+    peak = [r["step_memory_mib_mean"] for r in study.rows]
+    if all(v == v for v in plain):
+        ax.plot(batches, plain, "o-", label="a training step (the batch's own cost)")
+    ax.plot(batches, peak, "s--", color="C1", label="the peak with the noise probe's pass")
+    ax.set_yscale("log")
 
 
 def steps_vs_examples(study: Study, folder: Path) -> None:
@@ -126,38 +153,43 @@ def val_curves(study: Study, folder: Path) -> None:
 
 
 def noise_scale_curves(study: Study, folder: Path) -> None:
-    """The measured B_simple over training, against examples seen: each batch size's mean over its
-    seeds at each scored step where any seed has a reading, the target's crossing marked."""
+    """The measured B_simple over training, against examples seen: one line per batch size through
+    its readings (the mean over seeds at the weights each probe measured; between probes the curve
+    holds the last reading, which is not drawn), with reference lines at B_crit and at the exact
+    B_simple at the target."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     drawn = False
     for i, batch in enumerate(sorted(study.lr_choice)):
-        runs = [r for r in study.results if r["batch_size"] == batch]
         by_step: dict[int, list[float]] = {}
-        for r in runs:
-            for step, value in zip(r["curve_steps"], r["curve_b_simple"], strict=True):
-                if value == value and value > 0:  # a reading: finite and positive
-                    by_step.setdefault(step, []).append(value)
-        if not by_step:
-            continue
-        steps = sorted(by_step)
-        ax.plot([s * batch for s in steps], [sum(by_step[s]) / len(by_step[s]) for s in steps],
-                color=f"C{i % 10}", lw=0.9, label=f"batch {batch}")  # fmt: skip
-        reached = [r["examples_to_target"] for r in runs if r.get("examples_to_target") is not None]
-        if reached:
-            ax.axvline(sum(reached) / len(reached), color=f"C{i % 10}", lw=0.6, ls=":")
-        drawn = True
+        for r in (r for r in study.results if r["batch_size"] == batch):
+            measured = r.get("curve_b_simple_measured_at") or r["curve_steps"]
+            readings = {
+                int(m): v for m, v in zip(measured, r["curve_b_simple"], strict=True) if m == m and v == v and v > 0
+            }
+            for step, value in readings.items():
+                by_step.setdefault(step, []).append(value)
+        if by_step:
+            steps = sorted(by_step)
+            ax.plot([s * batch for s in steps], [sum(by_step[s]) / len(by_step[s]) for s in steps], "o-", ms=2.5,
+                    color=f"C{i % 10}", lw=0.9, label=f"batch {batch}")  # fmt: skip
+            drawn = True
     drawn = _adaptive_schedule(ax, study) or drawn
+    fit, exact = study.fit, study.truth.b_simple
+    if isinstance(fit, critical.Fit):
+        ax.axhline(fit.b_crit, color="black", lw=1, ls="--", label=f"B_crit {fit.b_crit:.0f}")
+    if exact == exact and exact > 0:
+        ax.axhline(exact, color="grey", lw=1, ls="-.", label=f"exact B_simple at the target {exact:.0f}")
     if drawn:
         from matplotlib.ticker import NullFormatter
 
         ax.set(xscale="log", yscale="log")
         ax.xaxis.set_minor_formatter(NullFormatter())  # 2×10³, 3×10³, ... print over each other
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, ncol=2)
     else:
         ax.text(0.5, 0.5, "no noise-scale readings", transform=ax.transAxes, ha="center")
-    ax.set(xlabel="examples seen", ylabel="B_simple (measured)",
-           title="Gradient noise scale over training (dotted: the target reached)")  # fmt: skip
+    ax.set(xlabel="examples seen", ylabel="B_simple (measured, mean over seeds)")
+    ax.set_title("Gradient noise scale over training", fontsize=11)
     fig.tight_layout()
     _save(fig, folder / "noise_scale_curves.png")
 

@@ -192,7 +192,7 @@ def description(
     figures to the study's target (summary.seconds_to_target, …), which only the whole study knows,
     so the view charts them."""
     figures = {r["run_id"]: {f"summary.{k}": r[k] for k in TO_TARGET} for r in study.results if r.get("run_id")}
-    parent.link_children(figures)
+    parent.log_on_children(figures)
     link = parent.save_view(sweep_name(cfg, tags["batchlab.origin"]), "train.batch_size")
     view = (
         f"[The study's charts]({link}): its {len(figures)} experiments grouped by batch size; test F1, seconds "

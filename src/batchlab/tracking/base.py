@@ -75,9 +75,8 @@ class Tracker:
     def register(self, model_uri: str, score: float, metric: str) -> bool:
         return False
 
-    def link_children(self, figures: dict[str, dict[str, float]]) -> str | None:
-        """Log {child run id: {metric: value}} on this parent's children; the UI's compare page of them."""
-        return None
+    def log_on_children(self, figures: dict[str, dict[str, float]]) -> None:
+        """Log {child run id: {metric: value}} on this parent's children."""
 
     def save_view(self, name: str, batch_param: str) -> str | None:
         """Save a view of this parent's children grouped by `batch_param` (tracking/views.py); its link."""

@@ -76,12 +76,10 @@ def finished_or_superseded(
     return None
 
 
-def link_children(client: Any, parent_run_id: str, figures: dict[str, dict[str, float]]) -> str:
+def log_on_children(client: Any, figures: dict[str, dict[str, float]]) -> None:
     """Log `figures` ({child run id: {metric: value}}: what only the whole study knows, such as the
-    seconds to the study's target) on each child; the MLflow UI's compare page of those children,
-    as a link relative to the UI (`#/compare-runs?…`)."""
+    seconds to the study's target) on each child, where the sweep's view charts them."""
     import time
-    from urllib.parse import quote
 
     from mlflow.entities import Metric
 
@@ -90,6 +88,3 @@ def link_children(client: Any, parent_run_id: str, figures: dict[str, dict[str, 
         metrics = [Metric(k, float(v), now, 0) for k, v in values.items() if v is not None and v == v]
         if metrics:
             retry_locked(client.log_batch, run_id, metrics=metrics)
-    experiment = retry_locked(client.get_run, parent_run_id).info.experiment_id
-    runs = json.dumps(sorted(figures), separators=(",", ":"))
-    return f"#/compare-runs?runs={quote(runs)}&experiments={quote(json.dumps([experiment]))}"

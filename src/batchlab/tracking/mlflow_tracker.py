@@ -221,12 +221,10 @@ class MlflowTracker(Tracker):
             retry_locked(self.client.update_registered_model, name, REGISTRY_DESCRIPTION)
         return champion
 
-    def link_children(self, figures: dict[str, dict[str, float]]) -> str | None:
+    def log_on_children(self, figures: dict[str, dict[str, float]]) -> None:
         from batchlab.tracking import children
 
-        link: str | None = self._persist("the children's study figures", children.link_children, self.client,
-                                         self.run_id, figures)  # fmt: skip
-        return link
+        self._persist("the children's study figures", children.log_on_children, self.client, figures)
 
     def save_view(self, name: str, batch_param: str) -> str | None:
         from batchlab.tracking import views
