@@ -167,7 +167,7 @@ def finish(
         return summary
     # the figures as one table of rounded tags (the run page's Tags), not one chart each; the
     # headline three as metrics too, so the runs table shows them as columns beside other sweeps
-    parent.set_tags({f"study.{k}": f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in figures.items()})
+    parent.set_tags(study_tags(figures))
     parent.log_metrics({k: float(figures[k]) for k in HEADLINE if k in figures})
     parent.log_table(result.rows, "sweep/summary_table.json")
     parent.set_tags({tracking.NOTE: description(cfg, tags, result, markdown, parent)})
@@ -178,6 +178,11 @@ def finish(
 
 
 TO_TARGET = ("steps_to_target", "examples_to_target", "seconds_to_target")  # logged on each child as summary.*
+
+
+def study_tags(figures: dict[str, Any]) -> dict[str, str]:
+    """The study's figures as the parent's tags, `study.<figure>`, floats to 4 significant digits."""
+    return {f"study.{k}": f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in figures.items()}
 
 
 # the parent's metrics: the columns the runs table shows for every sweep (study.* tags hold the rest)
