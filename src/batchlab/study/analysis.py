@@ -157,7 +157,7 @@ class Study:
     adaptive: AdaptiveStudy | None = None  # sweep.adaptive's row, against every fixed batch size
 
     def figures(self) -> dict[str, float | int]:
-        """The headline numbers: `dvc metrics show`, the parent run's metrics."""
+        """The headline numbers: `dvc metrics show`, the parent run's study.* tags."""
         out: dict[str, float | int] = {
             "best_f1_batch_size": self.verdict.best,
             "recommended_batch_size": self.verdict.recommended,
@@ -165,6 +165,10 @@ class Study:
             "test_rows": self.n_test,
             "seeds": min(r["seeds"] for r in self.rows),
         }
+        # the recommendation's price against the best-F1 batch: the speed-up to the target, the F1 difference
+        if math.isfinite(self.verdict.speedup):
+            out["recommended_speedup"] = self.verdict.speedup
+        out["recommended_f1_minus_best"] = self.verdict.f1_diff[0]
         if isinstance(self.fit, critical.Fit):
             out.update(b_crit=self.fit.b_crit, s_min=self.fit.s_min, e_min=self.fit.e_min, fit_r2=self.fit.r2)
             if math.isfinite(self.fit.b_crit_low):
