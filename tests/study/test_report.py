@@ -179,5 +179,7 @@ def test_the_headline_names_the_recommended_batch_and_why_in_two_lines() -> None
     assert verdict.speedup == pytest.approx(seconds[16] / seconds[64], rel=1e-12)
     assert f": {verdict.speedup:.1f}x faster to the target than batch 16, the highest in mean test F1" in first
     assert "at a test F1 +0.0000 ± 0.0000 against it (paired by seed)." in first  # the same F1 on every seed
+    figures = found.figures()  # sweep.json: the price, for dvc exp show
+    assert figures["recommended_speedup"] == verdict.speedup and figures["recommended_f1_minus_best"] == 0.0
     assert second.startswith("Beaten measurably in F1: 256 by 16, 64; critical batch size ")
     assert f"{found.fit.b_crit:.0f}" in second
