@@ -52,6 +52,25 @@ def test_where_a_sweep_runs_is_not_what_it_is() -> None:
     assert sweep_key(tiny_config(sweep={"batch_sizes": [16, 32]}), "data") != base
 
 
+def test_sweeps_that_differ_have_parents_named_apart_and_say_their_configuration() -> None:
+    from batchlab.sweep.run import configuration, sweep_name
+
+    tags = {"batchlab.origin": "exp-quick-bf16", "batchlab.executor": "dask"}
+    plain = tiny_config()
+    names = {
+        sweep_name(cfg, "dvc")
+        for cfg in (plain, tiny_config(train={"precision": "bf16"}), tiny_config(train={"strategy": "ddp"}),
+                    tiny_config(sweep={"seeds": [0, 1, 2]}))
+    }  # fmt: skip
+    assert len(names) == 4 and all(n.startswith("dvc-sweep-") for n in names)
+    assert sweep_name(plain, "dvc") == sweep_name(plain, "dvc")  # the same settings: the same name
+    bf16 = tiny_config(train={"precision": "bf16"})
+    assert sweep_name(bf16, "exp-quick-bf16").startswith("exp-quick-bf16-sweep-single-bf16-bs16-64-")
+    line = configuration(bf16, tags)
+    assert line.startswith("Sweep of batch sizes 16, 32, 64 × 1 seed(s), 3 epochs: mlp on synthetic data, single bf16")
+    assert line.endswith("; from exp-quick-bf16, trained dask.")
+
+
 @pytest.mark.integration
 def test_sweep_records_parent_children_and_report(workdir: Path) -> None:
     uri = f"sqlite:///{workdir / 'mlflow.db'}"

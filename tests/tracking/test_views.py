@@ -102,10 +102,11 @@ def test_make_uis_link_opens_the_sweeps_charts_in_mlflows_own_ui(workdir: Path, 
         link = views.link(experiment.experiment_id, views.key_of(parent.info.run_id))
         assert f"[The study's charts]({link})" in note
         write_params(workdir, cfg.model_dump(mode="json"))
-        printed = run(["batchlab", "ui-url", "--store", server.store, "--port", "5000"], workdir).stdout.strip()
-        assert printed == f"http://127.0.0.1:5000/{link}"  # make ui opens on the view
+        port = server.uri.rsplit(":", 1)[1]  # as `make ui UI_PORT=<port>` prints it for its own server
+        printed = run(["batchlab", "ui-url", "--store", server.store, "--port", port], workdir).stdout.strip()
+        assert printed == f"{server.uri}/{link}"  # make ui opens on the view
 
-        dom = _dom(f"{server.uri}/{link}", tmp_path / "profile")
+        dom = _dom(printed, tmp_path / "profile")
     cards = _cards(dom)
     # the UI titles a scatter "x vs. y" and a line chart by its metric
     scatters = [f"train.batch_size vs. {metric}" for _, metric, _ in views.CHARTS]
