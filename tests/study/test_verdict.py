@@ -146,6 +146,7 @@ def test_the_first_line_states_the_price_against_the_best_and_a_close_call() -> 
     assert first.startswith("Recommended: batch 128, the fastest to the target val loss (0.04 s of training)")
     assert "2.2x faster to the target than batch 32, the highest in mean test F1 (0.09 s)" in first
     assert f"at a test F1 {result.f1_diff[0]:+.4f} ± {result.f1_diff[1]:.4f} against it" in first
+    assert abs(result.f1_diff[0]) < result.f1_diff[1] and "excludes no difference" not in first
     # Holm's thresholds for m = 3: the smallest p against 0.05/3, the next 0.05/2, the largest 0.05
     ranked = sorted(p.values())
     threshold = 0.05 / (3 - ranked.index(p[(32, 128)]))
@@ -157,3 +158,25 @@ def test_a_recommendation_that_is_the_best_says_so_and_has_no_price() -> None:
     f1 = {16: {0: 0.96, 1: 0.961, 2: 0.962}, 512: {0: 0.90, 1: 0.905, 2: 0.899}}
     result = verdict.decide(f1, {16: 5.0, 512: 0.5}, {16: 1e4, 512: 9e4}, n_test=600)
     assert result.text.splitlines()[0].endswith("; it is also the highest in mean test F1.")
+
+
+def test_an_interval_that_excludes_zero_before_the_correction_is_said_so() -> None:
+    """128 trails 32 on every seed (p = 0.027, its 95% interval clear of 0) but Holm keeps it (its
+    threshold at that rank is 0.025): a candidate, and the first line says both."""
+    best = [0.966, 0.962, 0.970, 0.964, 0.967]
+
+    def below(drops: list[float]) -> dict[int, float]:
+        return {s: v - d for s, (v, d) in enumerate(zip(best, drops, strict=True))}
+
+    f1 = {
+        32: dict(enumerate(best)),
+        128: below([0.005, 0.001, 0.008, 0.002, 0.006]),
+        512: below([0.010, 0.011, 0.009, 0.012, 0.010]),
+    }
+    result = verdict.decide(f1, {32: 0.09, 128: 0.04, 512: 0.03}, {32: 1e4, 128: 4e4, 512: 9e4}, n_test=600)
+    assert result.candidates == [32, 128] and result.recommended == 128
+    diff, half = result.f1_diff
+    assert abs(diff) > half
+    first = result.text.splitlines()[0]
+    assert "an interval that excludes no difference on its own, before the correction for every pair" in first
+    assert "close: 32 vs 128: p = 0.0" in first and ", kept" in first
