@@ -146,7 +146,7 @@ def test_the_first_line_states_the_price_against_the_best_and_a_close_call() -> 
     assert first.startswith("Recommended: batch 128, the fastest to the target val loss (0.04 s of training)")
     assert "2.2x faster to the target than batch 32, the highest in mean test F1 (0.09 s)" in first
     assert f"at a test F1 {result.f1_diff[0]:+.4f} ± {result.f1_diff[1]:.4f} against it" in first
-    assert abs(result.f1_diff[0]) < result.f1_diff[1] and "excludes no difference" not in first
+    assert abs(result.f1_diff[0]) < result.f1_diff[1] and "clear of 0" not in first
     # Holm's thresholds for m = 3: the smallest p against 0.05/3, the next 0.05/2, the largest 0.05
     ranked = sorted(p.values())
     threshold = 0.05 / (3 - ranked.index(p[(32, 128)]))
@@ -178,5 +178,5 @@ def test_an_interval_that_excludes_zero_before_the_correction_is_said_so() -> No
     diff, half = result.f1_diff
     assert abs(diff) > half
     first = result.text.splitlines()[0]
-    assert "an interval that excludes no difference on its own, before the correction for every pair" in first
+    assert "its interval clear of 0 on its own, before the correction for every pair" in first
     assert "close: 32 vs 128: p = 0.0" in first and ", kept" in first

@@ -209,7 +209,7 @@ def _first_line(verdict: Verdict, seconds_to_target: Mapping[int, float | None],
         speed += f" ({best_s:.2f} s)"
     line = f"{head}: {speed}, at a test F1 {interval} against it (paired by seed)"
     if math.isfinite(half) and abs(diff) > half:  # said, lest the interval read as a contradiction
-        line += ", an interval that excludes no difference on its own, before the correction for every pair"
+        line += ", its interval clear of 0 on its own, before the correction for every pair"
     close = [p for p in verdict.pairs if p.lower == rec and p.close]
     if close:
         line += "; close: " + "; ".join(p.says() for p in close) + " (within 2x of it)"
