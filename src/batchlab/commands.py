@@ -218,8 +218,12 @@ COMMANDS: dict[str, Command] = {
         "(one folder per experiment, kept across runs so an interrupted sweep resumes) and "
         "reports/sweep/: reports/sweep/summary.md (the table, the verdict, the critical batch size), "
         "reports/sweep/sweep.json (the headline figures), reports/sweep/throughput.json (every batch size's "
-        "speed, timed side by side first: the study's clock), CSVs and plots; one MLflow parent run and a "
-        "child run per experiment.",
+        "speed, timed side by side first: the study's clock), the tables reports/sweep/summary.csv, "
+        "reports/sweep/curves.csv and reports/sweep/steps_vs_examples.csv, the charts "
+        "reports/sweep/f1_vs_batch.png, reports/sweep/val_loss_curves.png, reports/sweep/steps_vs_examples.png, "
+        "reports/sweep/throughput_vs_batch.png, reports/sweep/memory_vs_batch.png and "
+        "reports/sweep/noise_scale_curves.png; one MLflow parent run with the sweep's saved view, and a child "
+        "run per experiment.",
         _sweep,
     ),
     "predict": Command(
