@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -145,3 +146,48 @@ def test_damaged_prepared_file_is_one_line_naming_it_and_the_fix(tmp_path: Path,
     text = str(err.value)
     assert str(tmp_path / "prepared" / name) in text and "\n" not in text
     assert "run `batchlab generate` (or `dvc repro generate`, `dvc checkout data/prepared`)" in text
+
+
+@pytest.mark.parametrize(
+    ("name", "change"),
+    [
+        ("x_train.npy", lambda a: a + np.where(np.arange(a.size).reshape(a.shape) == 7, 1e-6, 0.0).astype(a.dtype)),
+        ("y_val.npy", lambda a: a[::-1].copy()),  # the same labels, reordered
+    ],
+)
+def test_an_array_changed_after_generate_is_one_line_naming_it(tmp_path: Path, name: str, change: Any) -> None:
+    """A prepared array changed after `generate`, still a valid .npy of the right shape (one value
+    moved by 1e-6; labels reordered): dataset.json's hash of it no longer matches."""
+    ds, scaler = data.build(DataConfig(samples=300))
+    data.save(ds, scaler, tmp_path / "prepared")
+    path = tmp_path / "prepared" / name
+    np.save(path, change(np.load(path)))
+    with pytest.raises(DataError) as err:
+        data.load(tmp_path / "prepared")
+    text = str(err.value)
+    assert text.startswith(f"{path} changed after generate (its content no longer matches ") and "\n" not in text
+    assert text.endswith("run `batchlab generate` (or `dvc repro generate`, `dvc checkout data/prepared`)")
+
+
+@pytest.mark.integration
+def test_a_changed_prepared_array_stops_train_evaluate_and_the_sweep_with_one_line(workdir: Path) -> None:
+    from batchlab import stages
+    from batchlab.paths import Paths
+    from tests.support import run, tiny_config, write_params
+
+    cfg = tiny_config()
+    write_params(workdir, cfg.model_dump(mode="json"))
+    stages.generate(cfg, Paths(workdir))
+    run(["batchlab", "train"], workdir)
+    path = workdir / "data/prepared/x_train.npy"
+    array = np.load(path)
+    array[0, 0] += 0.5
+    np.save(path, array)
+    for stage in ("train", "evaluate", "sweep"):
+        proc = run(["batchlab", stage], workdir, check=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, (stage, proc.stderr[-2000:])
+        changed = f"{path.relative_to(workdir)} changed after generate"
+        why = "(its content no longer matches data/prepared/dataset.json)"
+        assert lines[0] == f"batchlab: error: {changed} {why}; {data.REGENERATE}", lines
+    assert not (workdir / "sweep").exists()  # the sweep stopped before it started

@@ -195,7 +195,7 @@ def save(dataset: Dataset, scaler: dict[str, list[float]], folder: str | Path, i
 
     `inputs_key` names what produced the data (params + code), so a cache can tell it is current.
     """
-    summary = {**dataset.summary(), "scaler": scaler, "inputs_key": inputs_key}
+    summary = {**dataset.summary(), "array_sha256": array_hashes(dataset), "scaler": scaler, "inputs_key": inputs_key}
     with atomic.atomic_path(folder) as tmp:
         tmp.mkdir()
         for name in SPLITS:
@@ -222,8 +222,23 @@ def _write_examples(dataset: Dataset, scaler: dict[str, list[float]], path: Path
         writer.writerows([f"{v:.6g}" for v in row] for row in rows)
 
 
+def _sha(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()[:16]
+
+
+def array_hashes(dataset: Dataset) -> dict[str, str]:
+    """Each array file's content hash, which dataset.json records and `load` checks."""
+    out = {}
+    for name in SPLITS:
+        split: Split = getattr(dataset, name)
+        out.update({f"x_{name}.npy": _sha(split.x), f"y_{name}.npy": _sha(split.y)})
+    return out
+
+
 def load(folder: str | Path) -> Dataset:
-    """The dataset `save` wrote; a missing or damaged file is a DataError naming it."""
+    """The dataset `save` wrote; a missing or damaged file is a DataError naming it, and so is an
+    array whose content no longer matches the hash dataset.json recorded for it (changed after
+    `generate`: training on it would go on without a word)."""
     folder = Path(folder)
     meta_path = folder / "dataset.json"
     if not meta_path.is_file():
@@ -241,6 +256,12 @@ def load(folder: str | Path) -> Dataset:
         split = Split(_load_array(x_path), _load_array(y_path))
         if split.y.ndim != 1 or split.x.shape != (split.y.shape[0], *input_shape):
             raise DataError(f"{x_path} and {y_path} do not match {meta_path}; {REGENERATE}")
+        for path, array in ((x_path, split.x), (y_path, split.y)):
+            recorded = meta.get("array_sha256", {}).get(path.name)
+            if recorded is not None and _sha(array) != recorded:
+                raise DataError(
+                    f"{path} changed after generate (its content no longer matches {meta_path}); {REGENERATE}"
+                )
         splits[name] = split
     return Dataset(**splits, feature_names=feature_names, class_names=class_names, kind=kind, vocab=vocab)
 
