@@ -203,3 +203,49 @@ def test_a_usage_error_is_one_line_naming_the_argument_and_exit_2(argv: list[str
     assert proc.returncode == 2 and proc.stdout == ""
     [line] = proc.stderr.splitlines()
     assert line.startswith(message) and line.endswith("--help` lists the options)"), line
+
+
+@pytest.mark.integration
+def test_the_machines_own_faults_are_one_line_and_a_rerun_after_them_resumes(workdir: Path) -> None:
+    """A file where the output folder goes, and a full disk (a 1 MiB tmpfs, filled): one line
+    naming the path and the errno, exit 1, nothing half-written; freed, the rerun trains."""
+    import contextlib
+    import subprocess
+
+    from batchlab import stages
+    from batchlab.paths import Paths
+    from tests.support import run, tiny_config, write_params
+
+    cfg = tiny_config()
+    write_params(workdir, cfg.model_dump(mode="json"))
+    stages.generate(cfg, Paths(workdir))
+    (workdir / "a-file").write_text("not a folder")
+
+    def error_line(proc: subprocess.CompletedProcess[str]) -> str:
+        """The one error line: the epoch lines before it are training's own, and no traceback."""
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("batchlab: error: ")]
+        assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        return errors[0]
+
+    line = error_line(run(["batchlab", "train", "--out", "a-file/run"], workdir, check=False))
+    assert line.startswith("batchlab: error: Not a directory at a-file/run") and "(ENOTDIR)" in line, line
+
+    disk = workdir / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN)")
+    try:
+        filler = disk / "filler"
+        with contextlib.suppress(OSError), filler.open("wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+        line = error_line(run(["batchlab", "train", "--out", str(disk / "run")], workdir, check=False))
+        assert line.startswith(f"batchlab: error: No space left on device at {disk / 'run'}") and "(ENOSPC)" in line
+        written = [p for p in (disk / "run").rglob("*") if p.is_file()] if (disk / "run").exists() else []
+        assert all(p.stat().st_size > 0 and ".tmp" not in p.name for p in written), written  # nothing half-written
+        filler.unlink()
+        run(["batchlab", "train", "--out", str(disk / "run")], workdir)
+        assert (disk / "run" / "models" / "model.pt").is_file()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)

@@ -71,6 +71,10 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
+    except OSError as err:
+        if err.filename is None:  # a write that failed, e.g. no space left: name what was being written
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
     finally:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -9,6 +9,7 @@ generate: scikit-learn, no torch, no mlflow).
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -101,10 +102,24 @@ def _status(args: argparse.Namespace) -> int:
     except (tracking.TrackingUnavailable, launch.LaunchError, RuntimeError, FileNotFoundError) as err:
         print(f"batchlab: error: {err}", file=sys.stderr)
         return 1
+    except OSError as err:  # the machine's own: no space left, a read-only folder, a file where a folder goes
+        print(f"batchlab: error: {os_error(err)}", file=sys.stderr)
+        return 1
     except (KeyboardInterrupt, tracking.Interrupted):
         print("batchlab: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def os_error(err: OSError) -> str:
+    """An OS error as one line: what failed, where, and what to do; every output is written to a
+    temporary name and renamed (atomic.py), so nothing is left half-written, and a training rerun
+    resumes from its last checkpoint."""
+    code = errno.errorcode.get(err.errno or 0, "")
+    where = f" at {err.filename}" if err.filename else ""
+    what = err.strerror or str(err)
+    fix = "free the space or fix the folder, then rerun (a training resumes from its last checkpoint)"
+    return f"{what}{where} ({code}); {fix}"
 
 
 def main(argv: list[str] | None = None) -> int:
