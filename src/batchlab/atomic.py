@@ -72,7 +72,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         else:
             os.replace(tmp, path)
     except OSError as err:
-        if err.filename is None:  # a write that failed, e.g. no space left: name what was being written
+        if err.filename is None and err.errno is not None:  # a failed write (no space left): name its file
             raise OSError(err.errno, err.strerror, str(path)) from err
         raise
     finally:

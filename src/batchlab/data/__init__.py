@@ -228,11 +228,8 @@ def _sha(array: np.ndarray) -> str:
 
 def array_hashes(dataset: Dataset) -> dict[str, str]:
     """Each array file's content hash, which dataset.json records and `load` checks."""
-    out = {}
-    for name in SPLITS:
-        split: Split = getattr(dataset, name)
-        out.update({f"x_{name}.npy": _sha(split.x), f"y_{name}.npy": _sha(split.y)})
-    return out
+    splits = {name: getattr(dataset, name) for name in SPLITS}
+    return {f"{a}_{name}.npy": _sha(getattr(split, a)) for name, split in splits.items() for a in ("x", "y")}
 
 
 def load(folder: str | Path) -> Dataset:
