@@ -66,9 +66,13 @@ PLACEMENT = {"executor", "dask_address", "parallel"}
 def sweep_key(cfg: Config, data_hash: str) -> str:
     """The sweep's identity in its state.json: its model, train and sweep settings (PLACEMENT left
     out), the data and the code."""
+    return f"{settings_digest(cfg)[:16]}-{data_hash}-{plan.code_hash()}"
+
+
+def settings_digest(cfg: Config) -> str:
+    """A sha256 of the model, train and sweep settings, PLACEMENT left out."""
     settings = cfg.model_dump(include={"model", "train", "sweep"}, exclude={"sweep": PLACEMENT})
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    return f"{digest}-{data_hash}-{plan.code_hash()}"
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
 def origin_tags(executor: str) -> dict[str, str]:
@@ -82,9 +86,7 @@ def sweep_name(cfg: Config, origin: str) -> str:
     """The parent run's name: what started it and what differs between sweeps, e.g.
     `dvc-sweep-single-fp32-bs16-512-3f9a2c` (the last part a hash of every model, train and sweep
     setting that is not placement, so two sweeps that differ in anything have different names)."""
-    sizes = cfg.sweep.batch_sizes
-    settings = cfg.model_dump(include={"model", "train", "sweep"}, exclude={"sweep": PLACEMENT})
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:6]
+    sizes, digest = cfg.sweep.batch_sizes, settings_digest(cfg)[:6]
     return f"{origin}-sweep-{cfg.train.strategy}-{cfg.train.precision}-bs{min(sizes)}-{max(sizes)}-{digest}"
 
 
