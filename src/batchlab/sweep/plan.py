@@ -214,9 +214,12 @@ def key_of(exp_cfg: Config, data_hash: str) -> str:
 KEY_TAG = "sweep.key"
 
 
+BATCH_TAG = "sweep.batch_size"  # a child's batch size as a tag: the sweep's MLflow view groups by it
+
+
 def experiment_tags(exp: Experiment, key: str) -> dict[str, str]:
     return {
-        "sweep.batch_size": str(exp.batch_size),
+        BATCH_TAG: str(exp.batch_size),
         "sweep.seed": str(exp.seed),
         "sweep.lr_multiplier": f"{exp.lr_multiplier:g}",
         **({"sweep.adaptive": "true"} if exp.adaptive else {}),

@@ -200,7 +200,7 @@ def description(
     so the view charts them."""
     figures = {r["run_id"]: {f"summary.{k}": r[k] for k in TO_TARGET} for r in study.results if r.get("run_id")}
     parent.log_on_children(figures)
-    link = parent.save_view(sweep_name(cfg, tags["batchlab.origin"]), "train.batch_size")
+    link = parent.save_view(sweep_name(cfg, tags["batchlab.origin"]), "train.batch_size", plan.BATCH_TAG)
     view = (
         f"[The study's charts]({link}): its {len(figures)} experiments grouped by batch size; test F1, seconds "
         "and steps to the target against batch size, and the val-loss curves with their bands (docs/tracking.md).\n\n"

@@ -226,11 +226,11 @@ class MlflowTracker(Tracker):
 
         self._persist("the children's study figures", children.log_on_children, self.client, figures)
 
-    def save_view(self, name: str, batch_param: str) -> str | None:
+    def save_view(self, name: str, batch_param: str, batch_tag: str) -> str | None:
         from batchlab.tracking import views
 
         link: str | None = self._persist("the sweep's MLflow view", views.save, self.client, self.run_id, name,
-                                         batch_param)  # fmt: skip
+                                         batch_param, batch_tag)  # fmt: skip
         return link
 
     def replay_unrecorded(self) -> None:

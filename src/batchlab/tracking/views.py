@@ -47,11 +47,12 @@ def link(experiment_id: str, key: str) -> str:
     return f"#/experiments/{experiment_id}/runs?viewStateShareKey={key}&compareRunsMode=CHART"
 
 
-def state(parent_run_id: str, batch_param: str, metrics: Iterable[str]) -> dict[str, Any]:
-    """The page's state: the parent's children, grouped by `batch_param` (mean, with min–max bands
-    on the curves), three scatter charts of the study's figures against the batch size and the
-    val-loss curves. `metrics`: every metric the children logged; each one not charted here gets a
-    deleted card, or the UI appends a chart of its own for it."""
+def state(parent_run_id: str, batch_param: str, batch_tag: str, metrics: Iterable[str]) -> dict[str, Any]:
+    """The page's state: the parent's children, grouped by their tag `batch_tag` (mean, with min–max
+    bands on the curves; by a tag, not the param, since the UI adds a child's parent to the rows and
+    the parent has the param too), three scatter charts of the study's figures against the param
+    `batch_param` and the val-loss curves. `metrics`: every metric the children logged; each one not
+    charted here gets a deleted card, or the UI appends a chart of its own for it."""
     cards: list[dict[str, Any]] = [
         {"uuid": f"batchlab-{uuid}", "type": "SCATTER", "xaxis": {"key": batch_param, "type": "PARAM"},
          "yaxis": {"key": metric, "type": "METRIC"}, "runsCountToCompare": 100}
@@ -87,7 +88,7 @@ def state(parent_run_id: str, batch_param: str, metrics: Iterable[str]) -> dict[
         "isAccordionReordered": False,
         "useGroupedValuesInCharts": True,
         "hideEmptyCharts": True,
-        "groupBy": {"aggregateFunction": "average", "groupByKeys": [{"mode": "param", "groupByData": batch_param}]},
+        "groupBy": {"aggregateFunction": "average", "groupByKeys": [{"mode": "tag", "groupByData": batch_tag}]},
         "groupsExpanded": {},
         "chartsSearchFilter": "",
         "globalLineChartConfig": {"xAxisKey": "step", "lineSmoothness": 0, "selectedXAxisMetricKey": ""},
@@ -114,7 +115,7 @@ def decode(value: str) -> tuple[str, dict[str, Any]]:
     return wrapper["name"], json.loads(text)
 
 
-def save(client: Any, parent_run_id: str, name: str, batch_param: str) -> str:
+def save(client: Any, parent_run_id: str, name: str, batch_param: str, batch_tag: str) -> str:
     """Write the sweep's view on the parent's experiment; its link relative to the UI."""
     from batchlab.tracking.backend import retry_locked
 
@@ -126,7 +127,10 @@ def save(client: Any, parent_run_id: str, name: str, batch_param: str) -> str:
     metrics = {key for run in children for key in run.data.metrics}
     key = key_of(parent_run_id)
     retry_locked(
-        client.set_experiment_tag, experiment, PREFIX + key, encode(name, state(parent_run_id, batch_param, metrics))
+        client.set_experiment_tag,
+        experiment,
+        PREFIX + key,
+        encode(name, state(parent_run_id, batch_param, batch_tag, metrics)),
     )
     return link(experiment, key)
 
