@@ -207,8 +207,9 @@ def test_a_usage_error_is_one_line_naming_the_argument_and_exit_2(argv: list[str
 
 @pytest.mark.integration
 def test_the_machines_own_faults_are_one_line_and_a_rerun_after_them_resumes(workdir: Path) -> None:
-    """A file where the output folder goes, and a full disk (a 1 MiB tmpfs, filled): one line
-    naming the path and the errno, exit 1, nothing half-written; freed, the rerun trains."""
+    """A file where the output folder goes, and a full disk (a 1 MiB tmpfs, filled) under a training
+    and a sweep: one line naming the path and the errno, exit 1, nothing half-written; freed, the
+    rerun finishes."""
     import contextlib
     import subprocess
 
@@ -236,10 +237,14 @@ def test_the_machines_own_faults_are_one_line_and_a_rerun_after_them_resumes(wor
         pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN)")
     try:
         filler = disk / "filler"
-        with contextlib.suppress(OSError), filler.open("wb") as f:
-            while True:
-                f.write(b"\0" * 4096)
-                f.flush()
+
+        def fill() -> None:
+            with contextlib.suppress(OSError), filler.open("wb") as f:
+                while True:
+                    f.write(b"\0" * 4096)
+                    f.flush()
+
+        fill()
         line = error_line(run(["batchlab", "train", "--out", str(disk / "run")], workdir, check=False))
         assert line.startswith(f"batchlab: error: No space left on device at {disk / 'run'}") and "(ENOSPC)" in line
         written = [p for p in (disk / "run").rglob("*") if p.is_file()] if (disk / "run").exists() else []
@@ -247,5 +252,12 @@ def test_the_machines_own_faults_are_one_line_and_a_rerun_after_them_resumes(wor
         filler.unlink()
         run(["batchlab", "train", "--out", str(disk / "run")], workdir)
         assert (disk / "run" / "models" / "model.pt").is_file()
+
+        fill()  # the sweep's folder on a full disk too, then freed
+        line = error_line(run(["batchlab", "sweep", "--out", str(disk / "study")], workdir, check=False))
+        assert line.startswith(f"batchlab: error: No space left on device at {disk / 'study'}") and "(ENOSPC)" in line
+        filler.unlink()
+        run(["batchlab", "sweep", "--out", str(disk / "study")], workdir)
+        assert (disk / "study" / "reports" / "sweep" / "summary.md").is_file()
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)

@@ -35,8 +35,11 @@ def exclusive(paths: Paths) -> Iterator[None]:
             raise SweepBusy(
                 f"another sweep is running in this folder (pid {owner}, lock {path}); wait for it or stop it"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as err:  # no space left for the holder's pid: name the file
+            raise OSError(err.errno, err.strerror, str(path)) from err
         yield
     finally:
         os.close(fd)  # releases the lock; the kernel releases it too when the process dies
