@@ -178,26 +178,29 @@ def test_the_default_studys_recommendation_is_beaten_by_no_batch_size(after_make
         row = json.loads(path.read_text())
         if not row.get("adaptive") and row["lr"] == pytest.approx(float(table[row["batch_size"]]["lr"])):
             f1[row["batch_size"]][row["seed"]] = row["test_f1_macro"]
-    batches = sorted(f1)
-    p = {(a, b): stats.ttest_rel([f1[a][s] for s in sorted(f1[a])], [f1[b][s] for s in sorted(f1[a])]).pvalue
-         for i, a in enumerate(batches) for b in batches[i + 1 :]}  # fmt: skip
-    adjusted, running = {}, 0.0
-    for j, key in enumerate(sorted(p, key=p.__getitem__)):
-        running = max(running, min(1.0, (len(p) - j) * p[key]))
-        adjusted[key] = running
-    mean = {b: statistics.fmean(f1[b].values()) for b in batches}
+    batches, seeds = sorted(f1), min(len(by_seed) for by_seed in f1.values())
     figures = json.loads((after_make_run / "reports/sweep/sweep.json").read_text())
     chosen, best = figures["recommended_batch_size"], figures["best_f1_batch_size"]
-    beaten_by = [
-        a for a in batches if a != chosen and mean[a] > mean[chosen] and adjusted[tuple(sorted((a, chosen)))] <= 0.05
-    ]
-    assert not beaten_by, f"batch {chosen} is measurably worse than {beaten_by}"
+    mean = {b: statistics.fmean(f1[b].values()) for b in batches}
     assert best == max(batches, key=mean.__getitem__)
+    if seeds >= 2:  # one seed (the tiny params' study): no test, nothing is beaten
+        p = {(a, b): stats.ttest_rel([f1[a][s] for s in sorted(f1[a])], [f1[b][s] for s in sorted(f1[a])]).pvalue
+             for i, a in enumerate(batches) for b in batches[i + 1 :]}  # fmt: skip
+        adjusted, running = {}, 0.0
+        for j, key in enumerate(sorted(p, key=p.__getitem__)):
+            running = max(running, min(1.0, (len(p) - j) * p[key]))
+            adjusted[key] = running
+        beaten_by = [a for a in batches if a != chosen and mean[a] > mean[chosen]
+                     and adjusted[tuple(sorted((a, chosen)))] <= 0.05]  # fmt: skip
+        assert not beaten_by, f"batch {chosen} is measurably worse than {beaten_by}"
     first = (after_make_run / "reports/sweep/summary.md").read_text().split("## Verdict\n\n", 1)[1].splitlines()[0]
     assert first.startswith(f"Recommended: batch {chosen}, ")
     if chosen != best:
         diffs = [f1[chosen][s] - f1[best][s] for s in sorted(f1[best])]
-        half = stats.t.ppf(0.975, len(diffs) - 1) * stats.sem(diffs)
         seconds = {b: float(r["seconds_to_target_mean"]) for b, r in table.items()}
         assert f"{seconds[best] / seconds[chosen]:.1f}x faster to the target than batch {best}" in first
-        assert f"at a test F1 {statistics.fmean(diffs):+.4f} ± {half:.4f} against it" in first
+        if seeds >= 2:
+            half = stats.t.ppf(0.975, len(diffs) - 1) * stats.sem(diffs)
+            assert f"at a test F1 {statistics.fmean(diffs):+.4f} ± {half:.4f} against it" in first
+        else:
+            assert f"at a test F1 {diffs[0]:+.4f} (one seed: no interval) against it" in first

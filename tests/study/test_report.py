@@ -79,6 +79,7 @@ def test_report_files_state_cis_units_and_the_assumptions(tmp_path: Path) -> Non
     for name in (
         "summary.csv",
         "summary.md",
+        "experiments.csv",
         "steps_vs_examples.csv",
         "curves.csv",
         "f1_vs_batch.png",
@@ -95,6 +96,10 @@ def test_report_files_state_cis_units_and_the_assumptions(tmp_path: Path) -> Non
     assert [int(r["batch_size"]) for r in table] == [16, 64, 256] and "step_memory_mib_mean" in table[0]
     points = atomic.read_csv(tmp_path / "steps_vs_examples.csv")
     assert len(points) == 9 and int(points[0]["examples"]) == int(points[0]["steps"]) * int(points[0]["batch_size"])
+    experiments = atomic.read_csv(tmp_path / "experiments.csv")  # each experiment's F1 by seed, as compared
+    assert [(int(r["batch_size"]), int(r["seed"]), float(r["test_f1_macro"])) for r in experiments] == [
+        (r["batch_size"], r["seed"], r["test_f1_macro"]) for r in found.results
+    ]
     json.dumps(found.figures())  # plain numbers: sweep.json and MLflow metrics
 
 

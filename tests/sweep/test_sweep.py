@@ -107,7 +107,8 @@ def test_sweep_records_parent_children_and_report(workdir: Path) -> None:
 
     folder = workdir / "reports/sweep"
     assert {p.name for p in folder.iterdir()} >= {
-        "summary.csv", "summary.md", "curves.csv", "sweep.json", "steps_vs_examples.csv", "f1_vs_batch.png",
+        "summary.csv", "summary.md", "experiments.csv", "curves.csv", "sweep.json", "steps_vs_examples.csv",
+        "f1_vs_batch.png",
         "throughput_vs_batch.png", "memory_vs_batch.png", "steps_vs_examples.png", "val_loss_curves.png",
         "noise_scale_curves.png",
     }  # fmt: skip

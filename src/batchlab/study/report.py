@@ -233,12 +233,20 @@ def _plain_memory(study: Study) -> str:
     return f"; without the probe {min(plain):.3f}–{max(plain):.3f} MiB (step_memory_plain_mib in summary.csv)"
 
 
+EXPERIMENT_COLUMNS = ("name", "batch_size", "seed", "lr", "test_f1_macro", "test_accuracy", "steps_to_target",
+                      "examples_to_target", "seconds_to_target")  # fmt: skip
+
+
 def write(study: Study, folder: Path, context: dict[str, Any]) -> str:
-    """Write summary.csv, summary.md, steps_vs_examples.csv, curves.csv and the PNGs; return the Markdown."""
+    """Write summary.csv, summary.md, experiments.csv, steps_vs_examples.csv, curves.csv and the PNGs;
+    return the Markdown."""
     from batchlab.study import plots
 
     text = markdown(study, context)
     atomic.write_csv(folder / "summary.csv", study.rows)
+    # each experiment the verdict compared, by seed: what its paired tests read (a reader can redo them)
+    atomic.write_csv(folder / "experiments.csv", [{k: r[k] for k in EXPERIMENT_COLUMNS} for r in study.results],
+                     list(EXPERIMENT_COLUMNS))  # fmt: skip
     atomic.write_text(folder / "summary.md", text)
     points = [
         {
