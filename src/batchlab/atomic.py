@@ -51,6 +51,18 @@ def remove_stale_temporaries(path: str | Path) -> list[Path]:
 
 
 @contextmanager
+def naming(path: str | Path) -> Iterator[None]:
+    """An OSError raised inside that names no file (a write that failed: no space left) is raised
+    again naming `path`, so the user's one line says where."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None and err.errno is not None:
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
+
+
+@contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success it replaces `path` (file or folder)."""
     path = Path(path)
@@ -62,19 +74,16 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     tmp = Path(tmp_name)
     tmp.unlink()
     try:
-        yield tmp
-        if tmp.is_dir() and path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    except OSError as err:
-        if err.filename is None and err.errno is not None:  # a failed write (no space left): name its file
-            raise OSError(err.errno, err.strerror, str(path)) from err
-        raise
+        with naming(path):  # a failed write (no space left) names the file it was writing
+            yield tmp
+            if tmp.is_dir() and path.exists():
+                old = path.with_name(f".{path.name}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                path.rename(old)
+                tmp.rename(path)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, path)
     finally:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)

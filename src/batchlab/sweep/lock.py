@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from batchlab import atomic
 from batchlab.paths import Paths
 
 
@@ -35,11 +36,9 @@ def exclusive(paths: Paths) -> Iterator[None]:
             raise SweepBusy(
                 f"another sweep is running in this folder (pid {owner}, lock {path}); wait for it or stop it"
             ) from None
-        try:
+        with atomic.naming(path):  # no space left for the holder's pid: the error names the lock
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError as err:  # no space left for the holder's pid: name the file
-            raise OSError(err.errno, err.strerror, str(path)) from err
         yield
     finally:
         os.close(fd)  # releases the lock; the kernel releases it too when the process dies
