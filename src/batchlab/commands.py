@@ -146,10 +146,10 @@ def _noise_scale(args: argparse.Namespace) -> None:
 
 def _ui_url(args: argparse.Namespace) -> None:
     from batchlab.tracking import views
-    from batchlab.tracking.backend import experiment_id
+    from batchlab.tracking.backend import experiment_and_tags
 
     cfg = _config(args)
-    found = experiment_id(args.store, cfg.tracking.experiment)
+    found = experiment_and_tags(args.store, cfg.tracking.experiment)
     print(ui_url(args.port, None) if found is None else ui_url(args.port, found[0], views.newest(found[1])))
 
 

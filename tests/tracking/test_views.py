@@ -24,7 +24,7 @@ def test_a_view_reads_back_as_written_and_fits_mlflows_limit() -> None:
     assert wrapper["state"].startswith("deflate;") and wrapper["createdAt"] == wrapper["updatedAt"] == 1_700_000_000_000
     assert views.decode(value) == ("dvc-sweep-single-fp32-bs16-512-3f9a2c", state)
     cards = [c for c in state["compareRunCharts"] if not c["deleted"]]
-    assert [c["yaxis"]["key"] for c in cards[:3]] == [m for _, m, _ in views.CHARTS] and cards[3][
+    assert [c["yaxis"]["key"] for c in cards[:3]] == [m for _, m in views.CHARTS] and cards[3][
         "metricKey"
     ] == "val_loss"
     assert all(c["xaxis"] == {"key": "train.batch_size", "type": "PARAM"} for c in cards[:3])
@@ -111,7 +111,7 @@ def test_make_uis_link_opens_the_sweeps_charts_in_mlflows_own_ui(workdir: Path, 
         dom = _dom(printed, tmp_path / "profile")
     cards = _cards(dom)
     # the UI titles a scatter "x vs. y" and a line chart by its metric
-    scatters = [f"train.batch_size vs. {metric}" for _, metric, _ in views.CHARTS]
+    scatters = [f"train.batch_size vs. {metric}" for _, metric in views.CHARTS]
     assert set(cards) == {*scatters, views.CURVE}, sorted(cards)  # the four, and none the UI made up itself
     for title in cards:
         assert "js-plotly-plot" in cards[title] and 'class="main-svg"' in cards[title], title

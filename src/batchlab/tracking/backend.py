@@ -211,7 +211,7 @@ def quiet_mlflow() -> None:
     logging_utils.disable_logging()
 
 
-def experiment_id(store_uri: str, name: str) -> tuple[str, list[tuple[str, str]]] | None:
+def experiment_and_tags(store_uri: str, name: str) -> tuple[str, list[tuple[str, str]]] | None:
     """The id of the active experiment `name` in an MLflow SQL store, and its tags (key, value),
     read with SQLAlchemy; None when the store or the experiment does not exist (yet), or the store
     is not SQL."""

@@ -25,21 +25,24 @@ DEFLATE = "deflate;"
 MAX_VALUE = 20_000  # MLflow's limit on an experiment tag's value (and the UI's on a view)
 SECTION = "batchlab-study"
 
-# the scatter charts against the batch size: (card id, y metric, what it shows); the UI titles each
-# "train.batch_size vs. <metric>", whatever name the card carries
+# the scatter charts against the batch size, (card id, y metric): test F1, seconds and steps to the
+# target; the UI titles each "train.batch_size vs. <metric>", whatever name the card carries
 CHARTS = (
-    ("f1", "summary.test_f1_macro", "test F1 (macro)"),
-    ("seconds", "summary.seconds_to_target", "seconds to the target val loss"),
-    ("steps", "summary.steps_to_target", "steps to the target val loss"),
+    ("f1", "summary.test_f1_macro"),
+    ("seconds", "summary.seconds_to_target"),
+    ("steps", "summary.steps_to_target"),
 )
 CURVE = "val_loss"
 SECTION_STATE = {"uuid": SECTION, "name": "Batch-size study", "display": True, "isReordered": False, "deleted": False,
                  "isGenerated": False}  # fmt: skip
 
 
+KEY = "batchlab-"  # a batchlab view's key: this, then its sweep's parent run id
+
+
 def key_of(parent_run_id: str) -> str:
     """One view per sweep, named for its parent run (a rerun that reports again replaces it)."""
-    return f"batchlab-{parent_run_id}"
+    return KEY + parent_run_id
 
 
 def link(experiment_id: str, key: str) -> str:
@@ -56,7 +59,7 @@ def state(parent_run_id: str, batch_param: str, batch_tag: str, metrics: Iterabl
     cards: list[dict[str, Any]] = [
         {"uuid": f"batchlab-{uuid}", "type": "SCATTER", "xaxis": {"key": batch_param, "type": "PARAM"},
          "yaxis": {"key": metric, "type": "METRIC"}, "runsCountToCompare": 100}
-        for uuid, metric, _ in CHARTS
+        for uuid, metric in CHARTS
     ]  # fmt: skip
     cards.append({
         "uuid": "batchlab-val-loss", "type": "LINE", "metricKey": CURVE,
@@ -139,7 +142,7 @@ def newest(tags: Iterable[tuple[str, str]]) -> str | None:
     """The key of the newest batchlab view among an experiment's (key, value) tags."""
     found = []
     for key, value in tags:
-        if key.startswith(PREFIX + "batchlab-"):
+        if key.startswith(PREFIX + KEY):
             try:
                 found.append((json.loads(value)["updatedAt"], key.removeprefix(PREFIX)))
             except (ValueError, KeyError, TypeError):
