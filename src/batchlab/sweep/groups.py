@@ -25,7 +25,7 @@ from batchlab import data, tracking
 from batchlab.config import Config
 from batchlab.paths import Paths
 from batchlab.seeds import vectorized
-from batchlab.sweep import experiment
+from batchlab.sweep import experiment, lock
 from batchlab.sweep.experiment import Clock
 from batchlab.sweep.plan import Experiment, Keyed, Lane, Work, keyed
 from batchlab.training import threads, tracked
@@ -71,6 +71,13 @@ def run_work(lane: Lane, work: Work) -> dict[str, Any]:
 
 
 def train_work(lane: Lane, work: Work) -> dict[str, Any]:
+    """Every experiment's result row, by name, each claimed first (lock.claimed): a second copy of
+    the task, run while the first still trains, waits and then finds the rows committed."""
+    with lock.claimed(lane.paths, [exp.name for exp in work.experiments]):
+        return _train_claimed(lane, work)
+
+
+def _train_claimed(lane: Lane, work: Work) -> dict[str, Any]:
     """Seeds that resume from the same epoch (0: a fresh start) train together; one alone trains as before."""
     if len(work) == 1:
         exp = work.experiments[0]

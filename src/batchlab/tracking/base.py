@@ -78,6 +78,9 @@ class Tracker:
     def log_on_children(self, figures: dict[str, dict[str, float]]) -> None:
         """Log {child run id: {metric: value}} on this parent's children."""
 
+    def end_duplicates(self, tag: str, keep: set[str]) -> None:
+        """End KILLED this parent's FINISHED children tagged `tag` other than the runs in `keep`."""
+
     def save_view(self, name: str, batch_param: str, batch_tag: str) -> str | None:
         """Save a view of this parent's children grouped by their tag `batch_tag`, charted against
         the param `batch_param` (tracking/views.py); its link."""

@@ -76,6 +76,22 @@ def finished_or_superseded(
     return None
 
 
+def end_duplicates(client: Any, parent_run_id: str, tag: str, keep: set[str]) -> list[str]:
+    """End KILLED every FINISHED child of `parent_run_id` tagged `tag` whose run is not in `keep`
+    (the runs the study's rows name): a copy of an experiment that recorded it a second time, on a
+    worker that does not share the sweep's folder and so not its claim (sweep/lock.py). Their ids."""
+    parent = retry_locked(client.get_run, parent_run_id)
+    query = f"tags.`mlflow.parentRunId` = '{parent_run_id}' and attributes.status = 'FINISHED'"
+    runs = retry_locked(client.search_runs, [parent.info.experiment_id], filter_string=query, max_results=10000)
+    extra = [r for r in runs if tag in r.data.tags and r.info.run_id not in keep]
+    for run in extra:
+        value = run.data.tags[tag]
+        retry_locked(client.set_tag, run.info.run_id, REAPED, f"duplicate: {tag} {value} was recorded by another run")
+        retry_locked(client.set_terminated, run.info.run_id, "KILLED")
+        log.warning("tracking: ended run %s as KILLED: a second record of %s %s", run.info.run_id, tag, value)
+    return [r.info.run_id for r in extra]
+
+
 def log_on_children(client: Any, figures: dict[str, dict[str, float]]) -> None:
     """Log `figures` ({child run id: {metric: value}}: what only the whole study knows, such as the
     seconds to the study's target) on each child, where the sweep's view charts them."""

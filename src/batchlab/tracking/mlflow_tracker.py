@@ -226,6 +226,11 @@ class MlflowTracker(Tracker):
 
         self._persist("the children's study figures", children.log_on_children, self.client, figures)
 
+    def end_duplicates(self, tag: str, keep: set[str]) -> None:
+        from batchlab.tracking import children
+
+        self._persist("the end of duplicate child runs", children.end_duplicates, self.client, self.run_id, tag, keep)
+
     def save_view(self, name: str, batch_param: str, batch_tag: str) -> str | None:
         from batchlab.tracking import views
 
