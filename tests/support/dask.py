@@ -10,6 +10,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -18,8 +19,10 @@ from batchlab.paths import Paths
 from batchlab.sweep.run import run_sweep
 from tests.support import (
     BIN,
+    env_with_venv,
     free_port,
     merge,
+    prefect_home,
     wait_until,
     write_params,
 )
@@ -42,15 +45,16 @@ class Cluster:
             )
         wait_until(lambda: ready in log.read_text(), f"{name} to start", process=self.procs[name], log=log)
 
-    def scheduler(self) -> None:
+    def scheduler(self, **env: str) -> None:
         port = free_port()
         self.address = f"tcp://127.0.0.1:{port}"
         cmd = [str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"]
-        self.start("scheduler", cmd, "Scheduler at:")
+        self.start("scheduler", cmd, "Scheduler at:", **env)
 
-    def worker(self, name: str, **env: str) -> None:
+    def worker(self, name: str, nanny: bool = True, **env: str) -> None:
         # one experiment at a time per worker; non-daemonic, so experiments may start torchrun
         cmd = [str(BIN / "dask"), "worker", self.address, "--name", name, "--nthreads", "1", "--no-dashboard"]
+        cmd += [] if nanny else ["--no-nanny"]  # without one, a worker the scheduler removed is not killed
         self.start(name, cmd, "Registered to:", DASK_DISTRIBUTED__WORKER__DAEMON="False", **env)
 
     def pause(self, name: str) -> None:
@@ -74,6 +78,34 @@ class Cluster:
 
     def log(self, name: str) -> str:
         return (self.folder / f"{name}.log").read_text(errors="replace")
+
+
+class PrefectServer:
+    """`prefect server start` on a fixed port and home (its SQLite database): kill it, start it again."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.port = folder, free_port()
+        self.api = f"http://127.0.0.1:{self.port}/api"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        home = self.folder / "prefect-home"
+        if not home.exists():  # the first start: a migrated database; a restart keeps its own
+            prefect_home(home)
+        env = env_with_venv(PREFECT_HOME=str(home), PREFECT_UI_ENABLED="false")
+        env.pop("PREFECT_API_URL", None)
+        log = self.folder / "prefect-server.log"
+        with open(log, "a") as out:
+            cmd = ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        check = lambda: httpx.get(f"{self.api}/health", timeout=2).status_code == 200  # noqa: E731
+        wait_until(check, "the Prefect server's health check", process=self.proc, log=log)
+
+    def kill(self) -> None:
+        """The server (and its uvicorn) dies at once, as when its machine goes away."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
 
 
 def f1_by_batch(folder: Path) -> dict[str, float]:

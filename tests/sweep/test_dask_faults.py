@@ -9,9 +9,7 @@ to sweep.json, and the local executor's F1 per batch size."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 from mlflow import MlflowClient
@@ -29,46 +26,16 @@ from tests.support import (
     MlflowServer,
     copy_repo,
     env_with_venv,
-    free_port,
     merge,
     mlflow_on_postgres,
-    prefect_home,
     run,
     wait_until,
     write_params,
 )
-from tests.support.dask import Cluster, assert_f1_equals_the_local_executor
+from tests.support.dask import Cluster, PrefectServer, assert_f1_equals_the_local_executor
 
 SWEEP = {"batch_sizes": [16, 32], "seeds": [0], "executor": "dask", "epochs": 40}
 OUTAGE_S = 5  # how long a killed server stays down before it is started again
-
-
-class PrefectServer:
-    """`prefect server start` on a fixed port and home (its SQLite database): kill it, start it again."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder, self.port = folder, free_port()
-        self.api = f"http://127.0.0.1:{self.port}/api"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        home = self.folder / "prefect-home"
-        if not home.exists():  # the first start: a migrated database; a restart keeps its own
-            prefect_home(home)
-        env = env_with_venv(PREFECT_HOME=str(home), PREFECT_UI_ENABLED="false")
-        env.pop("PREFECT_API_URL", None)
-        log = self.folder / "prefect-server.log"
-        with open(log, "a") as out:
-            cmd = ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
-            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        check = lambda: httpx.get(f"{self.api}/health", timeout=2).status_code == 200  # noqa: E731
-        wait_until(check, "the Prefect server's health check", process=self.proc, log=log)
-
-    def kill(self) -> None:
-        """The server (and its uvicorn) dies at once, as when its machine goes away."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
 
 
 @dataclass

@@ -113,6 +113,33 @@ def test_a_resumed_run_reads_what_an_unbroken_one_does() -> None:
     assert run(resumed, range(22, 40)) == pytest.approx(unbroken[1:])  # from step 10's reading on
 
 
+def test_the_probes_rows_hang_on_its_step_alone_so_a_resumed_run_draws_what_an_unbroken_one_did(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A split larger than FULL_SPLIT_ROWS is probed on rows drawn for the step: drawn from a
+    generator seeded once per run, a resumed run (a Dask worker killed mid-experiment) read other
+    rows from then on than the unbroken run (found by the sweep's chaos test)."""
+    monkeypatch.setattr(gns_probes, "FULL_SPLIT_ROWS", 16)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 3))
+    x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+
+    def probe() -> gns_probes.FullSplitProbe:
+        return gns_probes.FullSplitProbe(model, torch.nn.functional.cross_entropy, x, y, every=5)
+
+    def read(measured: gns_estimates.FullSplitMeasure) -> list[float]:
+        return [float(measured.cross), float(measured.half_diff_sq), float(measured.row_sq or math.nan)]
+
+    unbroken = probe()
+    torch.manual_seed(1)
+    unbroken.measure(5)
+    torch.manual_seed(2)  # the training's RNG as the checkpoint restores it
+    at_10 = read(unbroken.measure(10))
+    torch.manual_seed(2)
+    assert read(probe().measure(10)) == at_10
+    assert read(probe().measure(15)) != at_10  # another step: other rows
+
+
 def _exact(model: torch.nn.Module, dataset: Dataset, draws: int = 64) -> dict[str, float]:
     """The exact figures from every train row's gradient at the model's weights (gns_exact.py)."""
     x, y = torch.from_numpy(dataset.train.x), torch.from_numpy(dataset.train.y)

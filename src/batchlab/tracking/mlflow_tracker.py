@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from batchlab.config import TrackingConfig
-from batchlab.tracking import outage
+from batchlab.tracking import children, outage, views
 from batchlab.tracking.backend import quiet_mlflow, reachable, retry_locked
 from batchlab.tracking.base import RESUMED, Tracker
 from batchlab.tracking.flavors import logging_into, torch_flavor
@@ -222,18 +222,12 @@ class MlflowTracker(Tracker):
         return champion
 
     def log_on_children(self, figures: dict[str, dict[str, float]]) -> None:
-        from batchlab.tracking import children
-
         self._persist("the children's study figures", children.log_on_children, self.client, figures)
 
     def end_duplicates(self, tag: str, keep: set[str]) -> None:
-        from batchlab.tracking import children
-
         self._persist("the end of duplicate child runs", children.end_duplicates, self.client, self.run_id, tag, keep)
 
     def save_view(self, name: str, batch_param: str, batch_tag: str) -> str | None:
-        from batchlab.tracking import views
-
         link: str | None = self._persist("the sweep's MLflow view", views.save, self.client, self.run_id, name,
                                          batch_param, batch_tag)  # fmt: skip
         return link

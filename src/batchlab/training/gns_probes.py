@@ -85,7 +85,7 @@ class FullSplitProbe:
         self.params = [p for p in model.parameters() if p.requires_grad]  # the live ones
         self.passes = 2 if is_stochastic(model) else 1
         self.rows_per_pass = min(x.shape[0], FULL_SPLIT_ROWS)
-        self.draw = torch.Generator(device=x.device).manual_seed(0)  # which rows, when the split is larger
+        self.draw = torch.Generator(device=x.device)  # which rows, when the split is larger: seeded by step
         self.draw_rows = torch.Generator(device=x.device)  # the rows tr(Σ) is taken from: seeded by step and rank
         self.step_rows = 0
         self.rows_fail: str | None = None  # why the rows' own gradients cannot be taken (vmap refused the forward)
@@ -113,6 +113,8 @@ class FullSplitProbe:
         masks are the training's RNG state's, as a scheduled probe's)."""
         x, y = self.x, self.y
         if x.shape[0] > self.rows_per_pass:  # the same rows on every rank: one generator, one seed
+            # by step, as the rows' own gradients are: a resumed run draws what an unbroken one drew
+            self.draw.manual_seed(step + DRAW_STRIDE * draw)
             pick = torch.randperm(x.shape[0], generator=self.draw, device=x.device)[: self.rows_per_pass]
             x, y = x[pick], y[pick]
         rows = x.shape[0]
