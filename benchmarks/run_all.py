@@ -38,6 +38,7 @@ BENCHES = (
     "adaptive",
     "dask",
     "repro",
+    "chaos",
 )
 RESULTS = REPO / "benchmarks" / "results.json"
 PAGE = REPO / "docs" / "benchmarks.md"

@@ -118,8 +118,21 @@ def os_error(err: OSError) -> str:
     code = errno.errorcode.get(err.errno or 0, "")
     where = f" at {err.filename}" if err.filename else ""
     what = err.strerror or str(err)
-    fix = "free the space or fix the folder, then rerun (a training resumes from its last checkpoint)"
-    return f"{what}{where} ({code}); {fix}"
+    fix = _FIXES.get(err.errno or 0, "fix the folder")
+    return f"{what}{where} ({code}); {fix}, then rerun (a training resumes from its last checkpoint)"
+
+
+_WRITE_ELSEWHERE = "or write elsewhere (--out; tracking.tracking_uri for the MLflow store)"
+_FIXES = {
+    errno.ENOSPC: "free some space on that disk",
+    errno.EDQUOT: "free some of your disk quota",
+    errno.EROFS: f"mount it writable {_WRITE_ELSEWHERE}",
+    errno.EACCES: f"make it writable for this user {_WRITE_ELSEWHERE}",
+    errno.EPERM: f"make it writable for this user {_WRITE_ELSEWHERE}",
+    errno.ENOTDIR: f"a file stands where a folder goes: move it {_WRITE_ELSEWHERE}",
+    errno.EEXIST: f"something stands where a folder goes: move it {_WRITE_ELSEWHERE}",
+    errno.EISDIR: f"a folder stands where a file goes: move it {_WRITE_ELSEWHERE}",
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,7 +95,8 @@ class Chaos:
         proc = self.cluster.procs.get(name)
         if proc is not None and proc.poll() is None:
             return
-        self.cluster.worker(name, nanny=False)
+        # the task's batchlab lines (a claim waited for) in the worker's log, through Prefect's handlers
+        self.cluster.worker(name, nanny=False, PREFECT_LOGGING_EXTRA_LOGGERS="batchlab")
 
     # the sweep
 
@@ -156,6 +157,11 @@ class Chaos:
         wait_until(lambda: all(w.poll() is not None for w in workers), "the workers to close", timeout=300)
         self.up()
 
+    def claim_waits(self) -> int:
+        """How often a task's copy has found its experiment claimed by another (the workers' logs)."""
+        logs = [self.cluster.folder / f"{name}.log" for name in WORKERS]
+        return sum(p.read_text(errors="replace").count("is claimed by another copy") for p in logs if p.exists())
+
     def left_behind(self) -> list[str]:
         """The processes of every sweep attempt's session, and every retired worker, still running."""
         alive = [f"{p.pid}: retired worker" for p in self.retired if p.poll() is None]
@@ -174,12 +180,13 @@ def proc_log(chaos: Chaos, proc: subprocess.Popen[bytes]) -> Path:
 def run_schedule(chaos: Chaos, seed: int) -> None:
     """The sweep under schedule `seed`'s faults, run again until it finishes (at most ATTEMPTS);
     what happened is kept in the folder's chaos.json (the soak's table reads it)."""
-    faults, started = schedule(seed), time.monotonic()
+    faults, started, waits = schedule(seed), time.monotonic(), chaos.claim_waits()
     try:
         _run(chaos, faults, seed)
     finally:
         record = {"seed": seed, "schedule": [f.kind for f in faults], "fired": chaos.fired,
-                  "attempts": len(chaos.attempts), "seconds": round(time.monotonic() - started, 1)}  # fmt: skip
+                  "attempts": len(chaos.attempts), "seconds": round(time.monotonic() - started, 1),
+                  "claim_waits": chaos.claim_waits() - waits}  # fmt: skip
         (chaos.folder / "chaos.json").write_text(json.dumps(record, indent=2) + "\n")
 
 

@@ -38,12 +38,15 @@ class Cluster:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def start(self, name: str, cmd: list[str], ready: str, **env: str) -> None:
+        """Start `name`, its output appended to <name>.log (a restarted one's after its last life's)."""
         log = self.folder / f"{name}.log"
-        with open(log, "w") as out:
+        with open(log, "ab") as out:
+            since = out.tell()
             self.procs[name] = subprocess.Popen(
                 cmd, env={**self.env, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
-        wait_until(lambda: ready in log.read_text(), f"{name} to start", process=self.procs[name], log=log)
+        started = lambda: ready in log.read_bytes()[since:].decode(errors="replace")  # noqa: E731
+        wait_until(started, f"{name} to start", process=self.procs[name], log=log)
 
     def scheduler(self, **env: str) -> None:
         port = free_port()

@@ -87,7 +87,7 @@ def _claim(path: Path, name: str) -> Iterator[None]:
             except BlockingIOError:
                 if not waited:
                     owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-                    log.info("sweep: %s is claimed by another copy of its task (%s); waiting for it", name, owner)
+                    log.warning("sweep: %s is claimed by another copy of its task (%s); waiting for it", name, owner)
                     waited = True
                 time.sleep(CLAIM_POLL_S)
         with atomic.naming(path):

@@ -5,10 +5,12 @@ refused login, the variable to fix) instead of hanging in a retry loop or a trac
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -141,6 +143,10 @@ def prepare_backend(uri: str) -> None:
         return
     import sqlite3
 
+    # MLflow logs each SQLite error with its traceback, then raises it: a lock retry_locked waits
+    # out, a full disk store_faults turns into one line. The raise is enough
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+
     from filelock import FileLock
     from mlflow.tracking import MlflowClient
 
@@ -149,6 +155,46 @@ def prepare_backend(uri: str) -> None:
         MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
         with contextlib.closing(sqlite3.connect(path, timeout=30)) as conn:
             conn.execute("PRAGMA journal_mode=WAL")
+
+
+# what SQLite says when the machine refuses its file, and the OS error that is
+_STORE_FAULTS = (("database or disk is full", errno.ENOSPC), ("readonly database", errno.EROFS),
+                 ("unable to open database file", errno.EACCES), ("disk I/O error", errno.EIO))  # fmt: skip
+
+
+@contextlib.contextmanager
+def store_faults(uri: str) -> Iterator[None]:
+    """A SQLite store's own failure raised inside (its disk full, its file or folder read-only) is
+    raised again as the OSError it is, naming the store's file, so the command's one line says
+    where and why (cli.os_error) instead of SQLAlchemy's traceback; any other error passes."""
+    path = _sqlite_path(uri)
+    try:
+        yield
+    except Exception as err:
+        code = _store_fault(err) if path is not None else None
+        if code is None or path is None:
+            raise
+        if code == errno.EROFS and not _read_only_mount(path):
+            code = errno.EACCES  # the file or its folder, not the filesystem
+        raise OSError(code, os.strerror(code), str(path)) from err
+
+
+def _store_fault(err: BaseException) -> int | None:
+    cause: BaseException | None = err
+    while cause is not None:
+        text = str(cause)
+        for needle, code in _STORE_FAULTS:
+            if needle in text:
+                return code
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _read_only_mount(path: Path) -> bool:
+    folder = path.absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
 
 
 def retry_locked(call: Any, *args: Any, **kwargs: Any) -> Any:

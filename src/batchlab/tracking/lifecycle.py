@@ -19,6 +19,7 @@ from batchlab.tracking.backend import (
     quick_http_retries,
     resolve_uri,
     retry_locked,
+    store_faults,
 )
 from batchlab.tracking.base import FAILED_ATTEMPT, REAPED, RESUMED_FROM, Resumable, Tracker
 from batchlab.tracking.mlflow_tracker import MlflowTracker, log_metrics_batched, metrics_from_rows
@@ -132,11 +133,24 @@ def run(
     if not (cfg.enabled and enabled):
         yield Tracker()
         return
+    uri = resolve_uri(cfg)
+    check_reachable(uri)
+    with store_faults(uri):  # a full disk or a read-only folder under a SQLite store: one line
+        yield from _opened(cfg, uri, run_id, name, parent_run_id, tags, resume)
+
+
+def _opened(
+    cfg: TrackingConfig,
+    uri: str,
+    run_id: str | None,
+    name: str | None,
+    parent_run_id: str | None,
+    tags: Mapping[str, str] | None,
+    resume: Resumable | None,
+) -> Iterator[Tracker]:
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    uri = resolve_uri(cfg)
-    check_reachable(uri)
     prepare_backend(uri)
     quick_http_retries(uri)
     if cfg.system_metrics:
