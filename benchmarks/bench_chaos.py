@@ -33,7 +33,7 @@ def main() -> dict[str, Any]:
         progress(f"chaos: {N} fault schedules, one Dask sweep each (about 70 s a schedule)")
         started, load_start = time.perf_counter(), os.getloadavg()[0]
         cmd = [sys.executable, "-m", "pytest", "tests/sweep/test_chaos.py", "-q", "-p", "no:cacheprovider",
-               f"--basetemp={base}", "-o", "addopts="]  # fmt: skip
+               f"--basetemp={base}"]  # fmt: skip
         env = cli_env(BATCHLAB_CHAOS_SEEDS=",".join(map(str, seeds)))
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - started
