@@ -140,6 +140,44 @@ def test_the_probes_rows_hang_on_its_step_alone_so_a_resumed_run_draws_what_an_u
     assert read(probe().measure(15)) != at_10  # another step: other rows
 
 
+def test_an_mlps_rows_own_gradients_from_one_pass_equal_vmaps_row_by_row() -> None:
+    """linear_row_squares (one batched forward and backward: |δ|²·(|a|² + 1) per Linear) against the
+    rows' own gradients taken one row at a time by vmap: equal without dropout, a frozen first
+    layer included; with dropout, each row its own mask, equal in expectation (200 draws each)."""
+    import statistics
+
+    from torch import nn
+
+    torch.manual_seed(0)
+    x, y = torch.randn(300, 8), torch.randint(0, 3, (300,))
+    loss = torch.nn.functional.cross_entropy
+    plain = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 3))
+    fast = gns_probes.linear_row_squares(plain, loss, x, y)
+    assert fast is not None
+    assert torch.allclose(fast, gns_probes._vmapped_row_squares(plain, loss, x, y), rtol=1e-5)
+    plain[0].requires_grad_(False)
+    fast = gns_probes.linear_row_squares(plain, loss, x, y)
+    assert fast is not None
+    assert torch.allclose(fast, gns_probes._vmapped_row_squares(plain, loss, x, y), rtol=1e-5)
+
+    masked = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+    one = [float(gns_probes.linear_row_squares(masked, loss, x, y)[0]) for _ in range(200)]  # type: ignore[index]
+    rowwise = [float(gns_probes._vmapped_row_squares(masked, loss, x, y)[0]) for _ in range(200)]
+    se = math.hypot(statistics.stdev(one), statistics.stdev(rowwise)) / math.sqrt(200)
+    assert abs(statistics.fmean(one) - statistics.fmean(rowwise)) < 4 * se
+
+    class Centred(nn.Module):  # a forward of its own may mix rows: vmap's
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(8, 3)
+
+        def forward(self, rows: torch.Tensor) -> torch.Tensor:
+            return self.layer(rows - rows.mean(0))
+
+    assert gns_probes.linear_row_squares(Centred(), loss, x, y) is None
+    assert gns_probes.linear_row_squares(nn.Sequential(nn.Linear(8, 3), nn.BatchNorm1d(3)), loss, x, y) is None
+
+
 def _exact(model: torch.nn.Module, dataset: Dataset, draws: int = 64) -> dict[str, float]:
     """The exact figures from every train row's gradient at the model's weights (gns_exact.py)."""
     x, y = torch.from_numpy(dataset.train.x), torch.from_numpy(dataset.train.y)
