@@ -5,9 +5,11 @@ worker killed twice), their order, which worker each one hits and the pauses bet
 kinds:
 
     kill-worker      a worker SIGKILLed, started again 0.5-3 s later (its task reruns elsewhere)
-    freeze-worker    a worker SIGSTOPped until the scheduler has given it up (its heartbeat missed:
-                     its task reruns on the other worker), then resumed: its own copy finishes too,
-                     and the worker closes, as one the scheduler removed does; a new one takes its place
+    freeze-worker    a worker SIGSTOPped until the scheduler has given it up (its heartbeat missed)
+                     and the other worker, running its task again, waits for the experiment's claim
+                     (at most 30 s), then resumed: its own copy finishes and commits, the second copy
+                     returns that result, and the worker closes, as one the scheduler removed does;
+                     a new one takes its place
     restart-mlflow   the MLflow server killed and started again 1-5 s later
     restart-scheduler the scheduler killed: the sweep stops with one line, the workers close once
                      their running experiment has finished; a new cluster starts and the sweep reruns
@@ -40,6 +42,7 @@ KINDS = ("kill-worker", "kill-worker", "freeze-worker", "restart-mlflow", "resta
 WORKERS = ("w1", "w2")
 # the scheduler gives up a silent worker after max(this, 10 heartbeats of 0.5 s): 5 s, not 5 min
 SCHEDULER_ENV = {"DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL": "2s"}
+WAIT_FOR_COPY_S = 30.0  # a frozen worker stays frozen at most this long for its task's second copy
 ATTEMPTS = 4  # the sweep and its reruns: a scheduler restart ends one, a task killed too often another
 
 
@@ -132,12 +135,16 @@ class Chaos:
 
     def freeze_worker(self, fault: Fault) -> None:
         proc = self.cluster.procs[fault.worker]
-        given_up = self.cluster.log("scheduler").count("Worker failed to heartbeat")
+        given_up, waits = self.cluster.log("scheduler").count("Worker failed to heartbeat"), self.claim_waits()
         self.cluster.pause(fault.worker)
         try:
             wait_until(lambda: self.cluster.log("scheduler").count("Worker failed to heartbeat") > given_up,
                        f"the scheduler to give up frozen {fault.worker}", timeout=120)  # fmt: skip
-            time.sleep(min(fault.down_s, 3.0))  # its task runs (or waits for its claim) on the other worker
+            # frozen until the other worker runs its task again and waits for the experiment's claim
+            # (the frozen one holds it); not when it held no task, or the other is still busy
+            deadline = time.monotonic() + WAIT_FOR_COPY_S
+            while self.claim_waits() == waits and time.monotonic() < deadline:
+                time.sleep(0.2)
         finally:
             self.cluster.resume(fault.worker)
         self.retired.append(proc)  # closes once its own copy has finished (Dask waits for the executor)

@@ -7,7 +7,7 @@ speeds      the throughput table every figure in seconds reads, measured as the 
 plan        every experiment and its identity (config, key, folder, tags); Lane, Work
 experiment  one experiment run: found finished, or trained, measured, scored and recorded
 state       a sweep's resume state (state.json)
-lock        one sweep at a time per folder
+lock        one sweep at a time per folder; each experiment claimed while a task trains it
 groups      whether seeds train together, decided once; a batch size's seeds as one task; lanes
 preflight   a Dask sweep's checks before anything starts: store, Prefect, scheduler, TLS
 stop        an interrupted or failed Dask sweep stops its tasks running on the workers

@@ -167,10 +167,10 @@ def finish(
     summary = {**figures, "markdown": markdown}
     if sweep.up_to_date:
         return summary
-    # the figures as one table of rounded tags (the run page's Tags), not one chart each; the
-    # headline three as metrics too, so the runs table shows them as columns beside other sweeps
     # one FINISHED child per experiment, whoever ran it: the runs its result rows name
     parent.end_duplicates(plan.KEY_TAG, {str(r["run_id"]) for r in ordered if r.get("run_id")})
+    # the figures as one table of rounded tags (the run page's Tags), not one chart each; the
+    # headline three as metrics too, so the runs table shows them as columns beside other sweeps
     parent.set_tags(study_tags(figures))
     parent.log_metrics({k: float(figures[k]) for k in HEADLINE if k in figures})
     parent.log_table(result.rows, "sweep/summary_table.json")

@@ -171,8 +171,7 @@ def store_faults(uri: str) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        code = _store_fault(err) if path is not None else None
-        if code is None or path is None:
+        if path is None or (code := _store_fault(err)) is None:
             raise
         if code == errno.EROFS and not _read_only_mount(path):
             code = errno.EACCES  # the file or its folder, not the filesystem
