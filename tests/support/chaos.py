@@ -7,7 +7,7 @@ kinds:
     kill-worker      a worker SIGKILLed, started again 0.5-3 s later (its task reruns elsewhere)
     freeze-worker    a worker SIGSTOPped until the scheduler has given it up (its heartbeat missed)
                      and the other worker, running its task again, waits for the experiment's claim
-                     (at most 30 s), then resumed: its own copy finishes and commits, the second copy
+                     (at most 20 s), then resumed: its own copy finishes and commits, the second copy
                      returns that result, and the worker closes, as one the scheduler removed does;
                      a new one takes its place
     restart-mlflow   the MLflow server killed and started again 1-5 s later
@@ -42,7 +42,7 @@ KINDS = ("kill-worker", "kill-worker", "freeze-worker", "restart-mlflow", "resta
 WORKERS = ("w1", "w2")
 # the scheduler gives up a silent worker after max(this, 10 heartbeats of 0.5 s): 5 s, not 5 min
 SCHEDULER_ENV = {"DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL": "2s"}
-WAIT_FOR_COPY_S = 30.0  # a frozen worker stays frozen at most this long for its task's second copy
+WAIT_FOR_COPY_S = 20.0  # a frozen worker stays frozen at most this long for its task's second copy
 ATTEMPTS = 4  # the sweep and its reruns: a scheduler restart ends one, a task killed too often another
 
 
