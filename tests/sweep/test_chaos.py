@@ -35,7 +35,7 @@ from tests.support import (
     write_params,
 )
 from tests.support.chaos import SCHEDULER_ENV as CHAOS_SCHEDULER
-from tests.support.chaos import Chaos, describe, resumed_on_failure, run_schedule, schedule
+from tests.support.chaos import Chaos, describe, resumed_on_failure, run_schedule, run_to_the_end, schedule
 from tests.support.dask import Cluster, PrefectServer
 
 SEEDS = [int(s) for s in os.environ.get("BATCHLAB_CHAOS_SEEDS", "1,2,3,4,5").split(",")]
@@ -98,7 +98,7 @@ def ground(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ground]:
                 folder = _sweep_folder(repo, "undisturbed", cluster.address)
                 chaos = Chaos(folder, cluster, mlflow, env)
                 chaos.up()
-                assert chaos.start().wait(timeout=600) == 0, chaos.stderr()
+                run_to_the_end(chaos)
                 yield Ground(repo, cluster, mlflow, env, _deterministic(folder))
             finally:
                 cluster.stop()
