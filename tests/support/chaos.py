@@ -40,8 +40,8 @@ from tests.support.dask import Cluster
 
 KINDS = ("kill-worker", "kill-worker", "freeze-worker", "restart-mlflow", "restart-scheduler")
 WORKERS = ("w1", "w2")
-# the scheduler gives up a silent worker after this, not 5 min: 2 s (5 s in effect, 10 heartbeats)
-# lost both live workers of a loaded machine to one 5.6 s stall of the scheduler's event loop
+# the scheduler gives a silent worker up after this (Dask's default: 5 min); 2 s (5 s in effect: 10
+# heartbeats) lost both live workers of a loaded machine to one 5.6 s stall of its event loop
 SCHEDULER_ENV = {"DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL": "15s"}
 WAIT_FOR_COPY_S = 20.0  # a frozen worker stays frozen at most this long for its task's second copy
 ATTEMPTS = 4  # the sweep and its reruns: a scheduler restart ends one, a task killed too often another
@@ -185,13 +185,14 @@ def proc_log(chaos: Chaos, proc: subprocess.Popen[bytes]) -> Path:
     return chaos.folder / f"sweep-{chaos.attempts.index(proc)}.err"
 
 
-def run_to_the_end(chaos: Chaos) -> None:
-    """The sweep undisturbed, run again (on a whole cluster) should the machine's load cost it its
-    workers (at most ATTEMPTS): the reference a schedule's sweep must equal."""
-    proc = chaos.start()
+def run_to_the_end(chaos: Chaos, proc: subprocess.Popen[bytes] | None = None, what: str = "the sweep") -> None:
+    """The sweep (`proc`, else a new attempt) run again on a whole cluster until it finishes, at
+    most ATTEMPTS attempts in all: the undisturbed reference, should the machine's load cost it its
+    workers, and a schedule's sweep after its faults."""
+    proc = proc or chaos.start()
     while proc.wait(timeout=600) != 0:
         if len(chaos.attempts) >= ATTEMPTS:
-            raise AssertionError(f"the undisturbed sweep did not finish in {ATTEMPTS} attempts\n{chaos.stderr()}")
+            raise AssertionError(f"{what}\nthe sweep did not finish in {ATTEMPTS} attempts\n{chaos.stderr()}")
         chaos.up()
         proc = chaos.start()
 
@@ -218,11 +219,7 @@ def _run(chaos: Chaos, faults: list[Fault], seed: int) -> None:
             chaos.up()
             proc = chaos.start()
         chaos.fire(fault, during_sweep=proc.poll() is None)
-    while proc.wait(timeout=600) != 0:
-        if len(chaos.attempts) >= ATTEMPTS:
-            raise AssertionError(f"{describe(seed)}\nthe sweep did not finish in {ATTEMPTS} attempts\n{chaos.stderr()}")
-        chaos.up()
-        proc = chaos.start()
+    run_to_the_end(chaos, proc, describe(seed))
 
 
 @contextlib.contextmanager
