@@ -205,47 +205,39 @@ def test_a_usage_error_is_one_line_naming_the_argument_and_exit_2(argv: list[str
     assert line.startswith(message) and line.endswith("--help` lists the options)"), line
 
 
+def _one_error_line(cmd: list[str], cwd: Path) -> str:
+    """The one error line of a failing `batchlab` command: exit 1, no traceback (the epoch lines
+    before it are training's own)."""
+    from tests.support import run
+
+    proc = run(["batchlab", *cmd], cwd, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("batchlab: error: ")]
+    assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return errors[0]
+
+
 @pytest.mark.integration
 def test_the_machines_own_faults_are_one_line_and_a_rerun_after_them_resumes(workdir: Path) -> None:
     """A file where the output folder goes, and a full disk (a 1 MiB tmpfs, filled) under a training
     and a sweep: one line naming the path and the errno, exit 1, nothing half-written; freed, the
     rerun finishes."""
-    import contextlib
-    import subprocess
-
     from batchlab import stages
     from batchlab.paths import Paths
     from tests.support import run, tiny_config, write_params
+    from tests.support.disks import fill, tmpfs
 
     cfg = tiny_config()
     write_params(workdir, cfg.model_dump(mode="json"))
     stages.generate(cfg, Paths(workdir))
     (workdir / "a-file").write_text("not a folder")
 
-    def error_line(proc: subprocess.CompletedProcess[str]) -> str:
-        """The one error line: the epoch lines before it are training's own, and no traceback."""
-        errors = [line for line in proc.stderr.splitlines() if line.startswith("batchlab: error: ")]
-        assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-        return errors[0]
-
-    line = error_line(run(["batchlab", "train", "--out", "a-file/run"], workdir, check=False))
+    line = _one_error_line(["train", "--out", "a-file/run"], workdir)
     assert line.startswith("batchlab: error: Not a directory at a-file/run") and "(ENOTDIR)" in line, line
 
-    disk = workdir / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN)")
-    try:
+    with tmpfs(workdir / "disk", "size=1m") as disk:
         filler = disk / "filler"
-
-        def fill() -> None:
-            with contextlib.suppress(OSError), filler.open("wb") as f:
-                while True:
-                    f.write(b"\0" * 4096)
-                    f.flush()
-
-        fill()
-        line = error_line(run(["batchlab", "train", "--out", str(disk / "run")], workdir, check=False))
+        fill(filler)
+        line = _one_error_line(["train", "--out", str(disk / "run")], workdir)
         assert line.startswith(f"batchlab: error: No space left on device at {disk / 'run'}") and "(ENOSPC)" in line
         written = [p for p in (disk / "run").rglob("*") if p.is_file()] if (disk / "run").exists() else []
         assert all(p.stat().st_size > 0 and ".tmp" not in p.name for p in written), written  # nothing half-written
@@ -253,14 +245,12 @@ def test_the_machines_own_faults_are_one_line_and_a_rerun_after_them_resumes(wor
         run(["batchlab", "train", "--out", str(disk / "run")], workdir)
         assert (disk / "run" / "models" / "model.pt").is_file()
 
-        fill()  # the sweep's folder on a full disk too, then freed
-        line = error_line(run(["batchlab", "sweep", "--out", str(disk / "study")], workdir, check=False))
+        fill(filler)  # the sweep's folder on a full disk too, then freed
+        line = _one_error_line(["sweep", "--out", str(disk / "study")], workdir)
         assert line.startswith(f"batchlab: error: No space left on device at {disk / 'study'}") and "(ENOSPC)" in line
         filler.unlink()
         run(["batchlab", "sweep", "--out", str(disk / "study")], workdir)
         assert (disk / "study" / "reports" / "sweep" / "summary.md").is_file()
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 @pytest.mark.integration
@@ -271,72 +261,47 @@ def test_a_read_only_folder_and_a_full_mlflow_store_are_one_line_and_the_rerun_a
     that store's disk full (a 16 MiB tmpfs, filled: before the store exists and after): one line
     naming the path, the errno and what to do, exit 1, no traceback (MLflow's own logged one
     included); mounted writable or freed, the rerun finishes."""
-    import contextlib
     import subprocess
+
+    from mlflow import MlflowClient
 
     from batchlab import stages
     from batchlab.paths import Paths
     from tests.support import run, tiny_config, write_params
-
-    def mount(folder: Path, options: str) -> None:
-        folder.mkdir(exist_ok=True)
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True)
-        if mounted.returncode:
-            pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN)")
-
-    def error_line(cmd: list[str], params: str = "params.yaml") -> str:
-        proc = run(["batchlab", "--params", params, *cmd], workdir, check=False)
-        errors = [line for line in proc.stderr.splitlines() if line.startswith("batchlab: error: ")]
-        assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-        return errors[0]
+    from tests.support.disks import fill, tmpfs
 
     cfg = tiny_config()
     write_params(workdir, cfg.model_dump(mode="json"))
     stages.generate(cfg, Paths(workdir))
-    ro, store = workdir / "ro", workdir / "store"
-    mount(ro, "size=16m,ro")
-    try:
-        mount(store, "size=16m")
+    with tmpfs(workdir / "ro", "size=16m,ro") as ro, tmpfs(workdir / "store", "size=16m") as store:
         fix = "mount it writable or write elsewhere (--out; tracking.tracking_uri for the MLflow store), then rerun"
         for cmd in (["train", "--out", "ro/run"], ["sweep", "--out", "ro/study"]):
-            line = error_line(cmd)
+            line = _one_error_line(cmd, workdir)
             assert line.startswith(f"batchlab: error: Read-only file system at {cmd[-1]}") and "(EROFS)" in line
             assert fix in line, line
         tracked = cfg.model_dump(mode="json")
         tracked["tracking"] = {"enabled": True, "tracking_uri": "sqlite:///ro/mlflow.db", "registered_model": ""}
         write_params(workdir, tracked, "ro.yaml")
-        line = error_line(["train", "--out", "run-ro"], "ro.yaml")
-        assert line.startswith(f"batchlab: error: Read-only file system at {workdir / 'ro' / 'mlflow.db'}"), line
+        line = _one_error_line(["--params", "ro.yaml", "train", "--out", "run-ro"], workdir)
+        assert line.startswith(f"batchlab: error: Read-only file system at {ro / 'mlflow.db'}"), line
         subprocess.run(["mount", "-o", "remount,rw", str(ro)], check=True)
         run(["batchlab", "train", "--out", "ro/run"], workdir)
         run(["batchlab", "--params", "ro.yaml", "train", "--out", "run-ro"], workdir)
 
-        filler = store / "filler"
-
-        def fill() -> None:
-            with contextlib.suppress(OSError), filler.open("wb") as f:
-                while True:
-                    f.write(b"\0" * 65536)
-                    f.flush()
-
         tracked["tracking"]["tracking_uri"] = "sqlite:///store/mlflow.db"
         write_params(workdir, tracked, "store.yaml")
-        fill()  # before the store exists: its tables cannot be made
-        line = error_line(["train", "--out", "run-store"], "store.yaml")
+        filler = store / "filler"
+        fill(filler)  # before the store exists: its tables cannot be made
+        line = _one_error_line(["--params", "store.yaml", "train", "--out", "run-store"], workdir)
         assert line == ("batchlab: error: No space left on device at store/mlflow.db (ENOSPC); free some space on "
                         "that disk, then rerun (a training resumes from its last checkpoint)"), line  # fmt: skip
         filler.unlink()
         run(["batchlab", "--params", "store.yaml", "train", "--out", "run-store"], workdir)
-        fill()  # the store made, its disk full
-        line = error_line(["train", "--out", "run-store-2"], "store.yaml")
+        fill(filler)  # the store made, its disk full
+        line = _one_error_line(["--params", "store.yaml", "train", "--out", "run-store-2"], workdir)
         assert line.startswith("batchlab: error: No space left on device at store/mlflow.db (ENOSPC)"), line
         filler.unlink()
         run(["batchlab", "--params", "store.yaml", "train", "--out", "run-store-2"], workdir)
-        from mlflow import MlflowClient
-
         client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
         runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
         assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"]  # none left RUNNING
-    finally:
-        for folder in (ro, store):
-            subprocess.run(["umount", "-l", str(folder)], capture_output=True)

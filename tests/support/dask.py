@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import shutil
 import signal
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,9 +21,11 @@ from batchlab.paths import Paths
 from batchlab.sweep.run import run_sweep
 from tests.support import (
     BIN,
+    MlflowServer,
     env_with_venv,
     free_port,
     merge,
+    mlflow_on_postgres,
     prefect_home,
     wait_until,
     write_params,
@@ -109,6 +113,36 @@ class PrefectServer:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
+
+
+@dataclass
+class Servers:
+    """What a Dask sweep test runs against: a Prefect server, an MLflow server on PostgreSQL and a
+    cluster (not started: each test starts the scheduler and workers it wants), with the
+    environment that points `batchlab sweep` at them; `repo`, its sweep folders' template."""
+
+    repo: Path
+    cluster: Cluster
+    mlflow: MlflowServer
+    prefect: PrefectServer
+    env: dict[str, str]
+
+
+@contextlib.contextmanager
+def servers(tmp: Path, repo: Path) -> Iterator[Servers]:
+    """The Servers in `tmp`, each stopped afterwards (the PostgreSQL database dropped)."""
+    prefect = PrefectServer(tmp)
+    prefect.start()
+    try:
+        with mlflow_on_postgres(tmp) as mlflow:
+            env = env_with_venv(PREFECT_API_URL=prefect.api, MLFLOW_TRACKING_URI=mlflow.uri)
+            cluster = Cluster(tmp, env)
+            try:
+                yield Servers(repo, cluster, mlflow, prefect, env)
+            finally:
+                cluster.stop()
+    finally:
+        prefect.kill()
 
 
 def f1_by_batch(folder: Path) -> dict[str, float]:

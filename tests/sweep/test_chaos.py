@@ -27,16 +27,14 @@ from mlflow import MlflowClient
 from tests.support import (
     MlflowServer,
     copy_repo,
-    env_with_venv,
     merge,
-    mlflow_on_postgres,
     run,
     set_params,
     write_params,
 )
 from tests.support.chaos import SCHEDULER_ENV as CHAOS_SCHEDULER
 from tests.support.chaos import Chaos, describe, resumed_on_failure, run_schedule, run_to_the_end, schedule
-from tests.support.dask import Cluster, PrefectServer
+from tests.support.dask import Cluster, servers
 
 SEEDS = [int(s) for s in os.environ.get("BATCHLAB_CHAOS_SEEDS", "1,2,3,4,5").split(",")]
 # twelve experiments of 6-16 s on two workers: the sweep outlasts the schedule's five faults (nine
@@ -87,23 +85,13 @@ def ground(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ground]:
     repo = copy_repo(tmp / "repo")
     set_params(repo, "data", samples=6000)  # experiments of some seconds: the faults land while they train
     run(["batchlab", "generate"], repo)
-    prefect = PrefectServer(tmp)
-    prefect.start()
-    try:
-        with mlflow_on_postgres(tmp) as mlflow:
-            env = env_with_venv(PREFECT_API_URL=prefect.api, MLFLOW_TRACKING_URI=mlflow.uri)
-            cluster = Cluster(tmp, env)
-            try:
-                cluster.scheduler(**CHAOS_SCHEDULER)
-                folder = _sweep_folder(repo, "undisturbed", cluster.address)
-                chaos = Chaos(folder, cluster, mlflow, env)
-                chaos.up()
-                run_to_the_end(chaos)
-                yield Ground(repo, cluster, mlflow, env, _deterministic(folder))
-            finally:
-                cluster.stop()
-    finally:
-        prefect.kill()
+    with servers(tmp, repo) as up:
+        up.cluster.scheduler(**CHAOS_SCHEDULER)
+        folder = _sweep_folder(repo, "undisturbed", up.cluster.address)
+        chaos = Chaos(folder, up.cluster, up.mlflow, up.env)
+        chaos.up()
+        run_to_the_end(chaos)
+        yield Ground(repo, up.cluster, up.mlflow, up.env, _deterministic(folder))
 
 
 def _assert_one_finished_child_each(ground: Ground, folder: Path, tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,37 +22,28 @@ from mlflow import MlflowClient
 
 from batchlab.sweep.run import HEADLINE, study_tags
 from tests.support import (
-    MlflowServer,
     copy_repo,
-    env_with_venv,
     merge,
-    mlflow_on_postgres,
     run,
     wait_until,
     write_params,
 )
-from tests.support.dask import Cluster, PrefectServer, assert_f1_equals_the_local_executor
+from tests.support.dask import Servers, assert_f1_equals_the_local_executor
+from tests.support.dask import servers as dask_servers
 
 SWEEP = {"batch_sizes": [16, 32], "seeds": [0], "executor": "dask", "epochs": 40}
 OUTAGE_S = 5  # how long a killed server stays down before it is started again
 
 
-@dataclass
-class Servers:
-    repo: Path  # the sweep folders' template: params and prepared data
-    cluster: Cluster
-    mlflow: MlflowServer
-    prefect: PrefectServer
-    env: dict[str, str]
-
-    def workers(self) -> None:
-        """The scheduler and two workers up, started again where an earlier test killed them."""
-        if "scheduler" not in self.cluster.procs or self.cluster.procs["scheduler"].poll() is not None:
-            self.cluster.stop()
-            self.cluster.scheduler()
-        for name in ("w1", "w2"):
-            if name not in self.cluster.procs or self.cluster.procs[name].poll() is not None:
-                self.cluster.worker(name)
+def _workers(servers: Servers) -> None:
+    """The scheduler and two workers up, started again where an earlier test killed them."""
+    cluster = servers.cluster
+    if "scheduler" not in cluster.procs or cluster.procs["scheduler"].poll() is not None:
+        cluster.stop()
+        cluster.scheduler()
+    for name in ("w1", "w2"):
+        if name not in cluster.procs or cluster.procs[name].poll() is not None:
+            cluster.worker(name)
 
 
 @pytest.fixture(scope="module")
@@ -61,20 +51,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     tmp = tmp_path_factory.mktemp("dask-faults")
     repo = copy_repo(tmp / "repo")
     run(["batchlab", "generate"], repo)
-    prefect = PrefectServer(tmp)
-    prefect.start()
-    try:
-        with mlflow_on_postgres(tmp) as mlflow:
-            env = env_with_venv(PREFECT_API_URL=prefect.api, MLFLOW_TRACKING_URI=mlflow.uri)
-            cluster = Cluster(tmp, env)
-            try:
-                running = Servers(repo, cluster, mlflow, prefect, env)
-                running.workers()
-                yield running
-            finally:
-                cluster.stop()
-    finally:
-        prefect.kill()
+    with dask_servers(tmp, repo) as running:
+        _workers(running)
+        yield running
 
 
 def _sweep_dir(servers: Servers, name: str) -> Path:
@@ -153,7 +132,7 @@ def test_mlflow_server_killed_mid_sweep_and_back_later_the_sweep_finishes(
     and result row are missing from its child run), its task fails as transient and Prefect tries
     it again, which ends that run KILLED and records the experiment in a new FINISHED one. Before,
     the sweep exited 0 with such a child RUNNING without its model and result."""
-    servers.workers()
+    _workers(servers)
     folder = _sweep_dir(servers, f"mlflow-killed-{outage_s}")
     proc = _start_sweep(folder, servers.env)
     try:
@@ -174,7 +153,7 @@ def test_mlflow_server_killed_mid_sweep_and_back_later_the_sweep_finishes(
 def test_prefect_server_killed_mid_sweep_and_back_5_s_later_the_sweep_finishes(
     servers: Servers, tmp_path: Path
 ) -> None:
-    servers.workers()
+    _workers(servers)
     folder = _sweep_dir(servers, "prefect-killed")
     proc = _start_sweep(folder, servers.env)
     try:
@@ -195,7 +174,7 @@ def test_prefect_server_killed_mid_sweep_for_good_is_one_line_and_the_rerun_fini
 ) -> None:
     """Prefect's client retries a lost server for about a minute (5 retries, 2 to 32 s apart); two
     retries here (PREFECT_CLIENT_MAX_RETRIES=2), so that giving up comes after some 6 s."""
-    servers.workers()
+    _workers(servers)
     folder = _sweep_dir(servers, "prefect-gone")
     env = {**servers.env, "PREFECT_CLIENT_MAX_RETRIES": "2"}
     proc = _start_sweep(folder, env)
@@ -223,7 +202,7 @@ def test_scheduler_killed_mid_sweep_is_one_line_and_the_rerun_finishes_with_one_
 ) -> None:
     """A worker that loses its scheduler closes once its running experiment has finished (Dask
     waits for its executor): that experiment is stored, and the rerun, on a new scheduler, takes it."""
-    servers.workers()
+    _workers(servers)
     folder = _sweep_dir(servers, "scheduler-killed")
     proc = _start_sweep(folder, servers.env)
     try:
@@ -239,7 +218,7 @@ def test_scheduler_killed_mid_sweep_is_one_line_and_the_rerun_finishes_with_one_
     workers = [servers.cluster.procs[name] for name in ("w1", "w2")]
     wait_until(lambda: all(w.poll() is not None for w in workers), "the workers to close", timeout=300)
     assert len(list(folder.glob("sweep/experiments/*/result.json"))) == 2  # both finished before they closed
-    servers.workers()  # a new scheduler: the sweep's address changes with it
+    _workers(servers)  # a new scheduler: the sweep's address changes with it
     params = yaml.safe_load((folder / "params.yaml").read_text())
     write_params(folder, merge(params, {"sweep": {"dask_address": servers.cluster.address}}))
     rerun = _start_sweep(folder, servers.env)
