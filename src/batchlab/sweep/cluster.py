@@ -224,9 +224,4 @@ def _unreachable_prefect(err: BaseException) -> bool:
     """An API call of Prefect's client that found no server, after its retries (PREFECT_CLIENT_MAX_RETRIES)."""
     import httpx
 
-    cause: BaseException | None = err
-    while cause is not None:
-        if isinstance(cause, httpx.TransportError):
-            return True
-        cause = cause.__cause__ or cause.__context__
-    return False
+    return any(isinstance(cause, httpx.TransportError) for cause in tracking.outage.causes(err))

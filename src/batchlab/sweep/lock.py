@@ -9,7 +9,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from batchlab import atomic
@@ -28,26 +28,39 @@ def lock_path(paths: Paths) -> Path:
 
 
 @contextlib.contextmanager
+def _held(path: Path, holder: str, busy: Callable[[str], None]) -> Iterator[None]:
+    """Hold a kernel lock on the file `path`, with `holder` written there. While another process
+    holds it, `busy` is called with what that one wrote: it raises to refuse, or returns to try
+    again CLAIM_POLL_S later. The kernel frees the lock when its holder dies."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # no O_TRUNC: the holder's text stays readable
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                busy(os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown")
+                time.sleep(CLAIM_POLL_S)
+        with atomic.naming(path):  # no space left for the holder's text: the error names the lock
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, holder.encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
 def exclusive(paths: Paths) -> Iterator[None]:
     """Hold this folder's sweep lock, or refuse at once: two sweeps at once would train the same
     experiments, resume from each other's half-written checkpoints and open two parent runs."""
     path = lock_path(paths)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # no O_TRUNC: the holder's pid stays readable
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise SweepBusy(
-                f"another sweep is running in this folder (pid {owner}, lock {path}); wait for it or stop it"
-            ) from None
-        with atomic.naming(path):  # no space left for the holder's pid: the error names the lock
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+    def refuse(owner: str) -> None:
+        raise SweepBusy(f"another sweep is running in this folder (pid {owner}, lock {path}); wait for it or stop it")
+
+    with _held(path, f"{os.getpid()}\n", refuse):
         yield
-    finally:
-        os.close(fd)  # releases the lock; the kernel releases it too when the process dies
 
 
 CLAIM_POLL_S = 0.2  # how often a copy waiting for an experiment's claim tries again
@@ -76,23 +89,12 @@ def claimed(paths: Paths, names: Iterable[str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _claim(path: Path, name: str) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        waited = False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not waited:
-                    owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-                    log.warning("sweep: %s is claimed by another copy of its task (%s); waiting for it", name, owner)
-                    waited = True
-                time.sleep(CLAIM_POLL_S)
-        with atomic.naming(path):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    told: list[str] = []
+
+    def wait(owner: str) -> None:  # said once, then waited for quietly
+        if not told:
+            log.warning("sweep: %s is claimed by another copy of its task (%s); waiting for it", name, owner)
+            told.append(owner)
+
+    with _held(path, f"pid {os.getpid()} on {socket.gethostname()}\n", wait):
         yield
-    finally:
-        os.close(fd)

@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from batchlab.config import ConfigError, TrackingConfig
+from batchlab.tracking.outage import causes
 
 # MLflow's own variables for a server's login (`mlflow server --app-name basic-auth`): MLflow's client
 # reads them (and ~/.mlflow/credentials, MLFLOW_TRACKING_TOKEN), so no credential is in params.yaml,
@@ -179,14 +180,7 @@ def store_faults(uri: str) -> Iterator[None]:
 
 
 def _store_fault(err: BaseException) -> int | None:
-    cause: BaseException | None = err
-    while cause is not None:
-        text = str(cause)
-        for needle, code in _STORE_FAULTS:
-            if needle in text:
-                return code
-        cause = cause.__cause__ or cause.__context__
-    return None
+    return next((code for cause in causes(err) for needle, code in _STORE_FAULTS if needle in str(cause)), None)
 
 
 def _read_only_mount(path: Path) -> bool:

@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,17 +26,22 @@ UNRECORDED_DIR = Path(".batchlab") / "unrecorded"
 T = TypeVar("T")
 
 
+def causes(err: BaseException) -> Iterator[BaseException]:
+    """`err`, then what it was raised from or while handling, down the chain: MLflow and Prefect
+    raise their own errors around the one that failed inside."""
+    cause: BaseException | None = err
+    while cause is not None:
+        yield cause
+        cause = cause.__cause__ or cause.__context__
+
+
 def unreachable(err: BaseException) -> bool:
     """A failure to reach the backend (server or database down), worth retrying later; not a refusal."""
     import requests
     import sqlalchemy.exc
 
-    cause: BaseException | None = err
-    while cause is not None:  # MLflow re-raises these as MlflowException, with the original as context
-        if isinstance(cause, requests.RequestException | sqlalchemy.exc.OperationalError | ConnectionError):
-            return True
-        cause = cause.__cause__ or cause.__context__
-    return False
+    down = (requests.RequestException, sqlalchemy.exc.OperationalError, ConnectionError)
+    return any(isinstance(cause, down) for cause in causes(err))  # MLflow raises MlflowException around them
 
 
 class Backend:

@@ -263,8 +263,8 @@ def linear_row_squares(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: to
         with torch.enable_grad():
             logits = model(x)
             calls = [id(m) for m, _, _ in seen]
-            if len(set(calls)) != len(calls) or any(a.dim() != 2 for _, a, _ in seen):
-                return None  # a Linear shared or applied to sequences: a row's gradient does not factor
+            if len(set(calls)) != len(calls):
+                return None  # a Linear applied twice: a row's gradient of it does not factor
             loss = loss_fn(logits.float(), y) * x.shape[0]  # every row's own loss, summed
             live = [(module, a, out) for module, a, out in seen if out.requires_grad]  # a frozen first layer's is not
             deltas = torch.autograd.grad(loss, [out for _, _, out in live], allow_unused=True)
