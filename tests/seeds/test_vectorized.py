@@ -189,3 +189,51 @@ def test_configs_that_differ_in_more_than_the_seed_are_refused(tiny_dataset: Dat
     cfgs = [*_configs(seeds=(0,)), *_configs(seeds=(1,), lr=0.02)]
     with pytest.raises(ValueError, match=r"differ in train\.seed only"):
         vectorized.fit_seeds(cfgs, tiny_dataset, Strategy(CPU))
+
+
+@pytest.mark.parametrize(("pick", "chunk"), [(False, None), (True, None), (False, 7)])
+def test_the_groups_probe_in_one_stacked_pass_reads_each_seeds_separate_probe(
+    tiny_dataset: Dataset, monkeypatch: pytest.MonkeyPatch, pick: bool, chunk: int | None
+) -> None:
+    """StackedModels.probe_together against each seed's own FullSplitProbe.measure at the same
+    weights and step: the passes in slices of two sizes, the rows drawn from a larger split
+    (`pick`), each seed's masks from its own generator; the training's generators and gradients
+    untouched. Bit for bit at the probe's own chunking (slices of 52-53 rows here, 350 in the
+    default study); in chunks of 7 rows, where bmm and mm take kernels of their own, within 1e-6."""
+    from batchlab.seeds.stacked import StackedModels
+    from batchlab.tracking import Tracker
+    from batchlab.training.optim import steps_per_epoch
+    from batchlab.training.train import split_tensors
+
+    monkeypatch.setattr(gns_probes, "ROW_SAMPLE", 23)
+    if chunk is not None:
+        monkeypatch.setattr(gns_probes, "FULL_SPLIT_CHUNK", chunk)  # several chunks a slice
+    if pick:
+        monkeypatch.setattr(gns_probes, "FULL_SPLIT_ROWS", 300)
+    cfgs = _configs()
+    n_train = tiny_dataset.train.y.shape[0]
+    assert n_train % gns_probes.PARTS and n_train > 300  # slices of two sizes
+    steps = steps_per_epoch(n_train, cfgs[0].train.batch_size)
+    seeds = vectorized._restore(cfgs, tiny_dataset, Strategy(CPU), steps, [Tracker() for _ in cfgs], None)
+    for seed in seeds:
+        seed.dropout.manual_seed(100 + seed.index)
+    group = StackedModels(seeds, Strategy(CPU), split_tensors(tiny_dataset.train, CPU))
+    with torch.no_grad():  # weights apart from the initial ones: a gradient that is not tiny
+        for w in group.weights.values():
+            w.add_(torch.randn_like(w) * 0.1)
+    grads, states = group.flat_grads.clone(), [s.dropout.get_state() for s in seeds]
+    together = group.probe_together(seeds, step=37)
+    assert torch.equal(group.flat_grads, grads)
+    assert all(torch.equal(s.dropout.get_state(), state) for s, state in zip(seeds, states, strict=True))
+    for seed, measured in zip(seeds, together, strict=True):
+        assert seed.probe is not None
+        alone = seed.probe.measure(37)
+        assert measured.rows == alone.rows == (300 if pick else n_train)
+        for field in ("cross", "half_diff_sq", "row_sq", "row_sq_var", "cross_var"):
+            a, b = getattr(alone, field), getattr(measured, field)
+            if chunk is None:
+                assert torch.equal(b, a), field
+            else:
+                torch.testing.assert_close(b, a, rtol=1e-6, atol=0, msg=field)
+        assert float(alone.half_diff_sq) > 0 and float(alone.row_sq) > float(alone.cross) > 0  # masks, rows' noise
+    assert float(together[0].cross) != float(together[1].cross)  # the seeds' own weights and masks

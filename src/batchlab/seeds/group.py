@@ -20,6 +20,7 @@ from batchlab.config import Config
 from batchlab.tracking import Tracker
 from batchlab.training.checkpoint import Checkpoint, Trainee, TrainState
 from batchlab.training.gns import NoiseScale
+from batchlab.training.gns_estimates import FullSplitMeasure
 from batchlab.training.gns_probes import FullSplitProbe
 from batchlab.training.strategy import Strategy
 
@@ -93,10 +94,27 @@ class SeedGroup:
         # a seed's gradient lies in every parameter's block: gathered into one row per seed, whose
         # norm is bit for bit the norm of a separate run's flat gradient buffer
         norms = torch.linalg.vector_norm(torch.cat(self.blocks, dim=1), dim=1)
-        for seed, norm in zip(self.seeds, norms.unbind(), strict=True):
-            if seed.probe is not None and seed.active:
-                seed.noise.record_step(norm, seed.probe.small(seed.noise.steps + 1), self.rows)
+        probing = [seed for seed in self.seeds if seed.probe is not None and seed.active]
+        due = [seed for seed in probing if seed.probe is not None and seed.probe.due(seed.noise.steps + 1)]
+        measured: dict[int, FullSplitMeasure] = {}
+        if due:
+            steps = {seed.noise.steps + 1 for seed in due}
+            together = len(due) == len(self.seeds) and len(steps) == 1 and self.probes_together(due)
+            if together:
+                measured = dict(zip([s.index for s in due], self.probe_together(due, steps.pop()), strict=True))
+            else:
+                measured = {seed.index: seed.probe.measure(seed.noise.steps + 1) for seed in due if seed.probe}
+        for seed in probing:
+            seed.noise.record_step(norms[seed.index], measured.get(seed.index), self.rows)
         return norms
+
+    def probes_together(self, seeds: list[Seed]) -> bool:
+        """Whether `probe_together` can take these seeds' probes (all of the group's, due at one step)."""
+        return False
+
+    def probe_together(self, seeds: list[Seed], step: int) -> list[FullSplitMeasure]:
+        """The seeds' noise probes at `step`, each what its separate run's probe measures."""
+        raise NotImplementedError
 
     def flat_weights(self) -> torch.Tensor:
         """Every seed's weights as one row [S, P], in its module's parameter order (a copy)."""

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchlab.seeds.group import Seed, SeedGroup
+from batchlab.training.gns_estimates import FullSplitMeasure
+from batchlab.training import gns_probes
 from batchlab.training.strategy import Strategy
 
 __all__ = ["ACTIVATION_BACKWARD", "Seed", "StackedModels"]
@@ -64,10 +66,15 @@ class StackedModels(SeedGroup):
         self.masks: dict[tuple[int, torch.Size], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.loss_grad: dict[int, float] = {}  # per row count: -1/rows as autograd's float32 mean backward has it
 
-    def forward(self, x: torch.Tensor, train: bool, tape: list[_Saved] | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, train: bool, tape: list[_Saved] | None = None,
+        generators: list[torch.Generator] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Logits [S, rows, classes] of inputs [S, rows, features]; in training each seed's dropout
-        masks come from its generator exactly as F.dropout draws them (bernoulli_, then / (1 - p)).
-        With `tape`, what `backward` needs of each layer is appended to it."""
+        masks come from its generator (`generators`, default the seeds' own) exactly as F.dropout
+        draws them (bernoulli_, then / (1 - p)). With `tape`, what `backward` needs of each layer is
+        appended to it."""
+        generators = generators or [seed.dropout for seed in self.seeds]
         h = x
         for position, (linear, dropout, activation) in enumerate(self.plan):
             if linear is not None:
@@ -78,8 +85,8 @@ class StackedModels(SeedGroup):
             elif dropout is not None:
                 if train and dropout > 0:
                     mask, parts = self._mask_buffer(position, h)
-                    for seed, part in zip(self.seeds, parts, strict=True):
-                        part.bernoulli_(1 - dropout, generator=seed.dropout)
+                    for generator, part in zip(generators, parts, strict=True):
+                        part.bernoulli_(1 - dropout, generator=generator)
                     mask.div_(1 - dropout)
                     if tape is not None:
                         tape.append(("dropout", mask))
@@ -107,18 +114,36 @@ class StackedModels(SeedGroup):
         rows = targets.shape[1]
         if rows not in self.loss_grad:
             self.loss_grad[rows] = -(torch.ones(()) / rows).item()
-        tape: list[_Saved] = []
-        log_probs = F.log_softmax(self.forward(inputs, train=True, tape=tape), dim=2)  # cross_entropy's two steps
+
+        def into_grads(h: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
+            assert weight.grad is not None and bias.grad is not None  # F.linear's backward, in the weight's layout
+            torch.bmm(grad.transpose(1, 2), h, out=weight.grad)
+            torch.sum(grad, 1, out=bias.grad)
+
         # d(mean loss)/d(log_probs): -1/rows at each row's target, 1/rows divided in float32 as autograd's
-        # mean backward divides it; then log_softmax's backward, as autograd calls it
-        grad = torch.zeros_like(log_probs).scatter_(2, targets.unsqueeze(2), self.loss_grad[rows])
-        grad = torch.ops.aten._log_softmax_backward_data(grad, log_probs, 2, log_probs.dtype)
+        # mean backward divides it
+        log_probs = self._backprop(inputs, targets, self.loss_grad[rows], into_grads)
+        self.after_backward(inputs, targets)
+        # the figure a separate run records, bit for bit: nll_loss's mean sums in its own order
+        return [F.nll_loss(lp, y) for lp, y in zip(log_probs.unbind(), targets.unbind(), strict=True)]
+
+    def _backprop(
+        self, inputs: torch.Tensor, targets: torch.Tensor, at_target: float,
+        linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None],
+        generators: list[torch.Generator] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """A training forward of every seed and its backward from d(loss)/d(log_probs) = `at_target`
+        at each row's target, as autograd computes cross_entropy's; `linear(h, grad, weight, bias)`
+        takes each Linear's input and the gradient at its output, last layer first. Returns the log
+        probabilities [S, rows, classes]."""
+        tape: list[_Saved] = []
+        log_probs = F.log_softmax(self.forward(inputs, True, tape, generators), dim=2)  # cross_entropy's two steps
+        grad = torch.zeros_like(log_probs).scatter_(2, targets.unsqueeze(2), at_target)
+        grad = torch.ops.aten._log_softmax_backward_data(grad, log_probs, 2, log_probs.dtype)  # as autograd calls it
         for saved in reversed(tape):
-            if saved[0] == "linear":  # F.linear's backward (addmm's): grad.T @ h in the weight's layout
+            if saved[0] == "linear":
                 _, h, weight, bias = saved
-                assert weight.grad is not None and bias.grad is not None
-                torch.bmm(grad.transpose(1, 2), h, out=weight.grad)
-                torch.sum(grad, 1, out=bias.grad)
+                linear(h, grad, weight, bias)
                 if saved is not tape[0]:  # the inputs need no gradient
                     grad = torch.bmm(grad, weight)
             elif saved[0] == "dropout":  # mul's backward
@@ -126,9 +151,74 @@ class StackedModels(SeedGroup):
             else:
                 _, activation, h, out = saved
                 grad = ACTIVATION_BACKWARD[type(activation)](activation, grad, h, out)
-        self.after_backward(inputs, targets)
-        # the figure a separate run records, bit for bit: nll_loss's mean sums in its own order
-        return [F.nll_loss(lp, y) for lp, y in zip(log_probs.unbind(), targets.unbind(), strict=True)]
+        return log_probs
+
+    def probes_together(self, seeds: list[Seed]) -> bool:
+        return all(seed.probe is not None and seed.probe.world_size == 1 for seed in seeds)
+
+    @torch.no_grad()
+    def probe_together(self, seeds: list[Seed], step: int) -> list[FullSplitMeasure]:
+        """The noise probes of `seeds` (all of the group, due at `step`) in one stacked pass each:
+        the separate probe's arithmetic (FullSplitProbe.measure: the passes' gradients summed over
+        each slice of the rows, the sampled rows' own |g_row|² as linear_row_squares takes them),
+        its rows, and each seed's masks drawn from a copy of its generator in the order the
+        separate probe draws them from the global RNG, so each seed's reading is its separate
+        run's. The training's gradients, generators and weights are left as they were."""
+        probe = seeds[0].probe
+        assert probe is not None and len(seeds) == len(self.seeds) and probe.world_size == 1
+        x, y = probe.split_rows(step)
+        rows, n = x.shape[0], len(seeds)
+        generators = []
+        for seed in seeds:  # the state the separate probe copies into the global RNG
+            generator = torch.Generator(device=x.device)
+            generator.set_state(seed.dropout.get_state())
+            generators.append(generator)
+        parts = min(gns_probes.PARTS, rows)
+        summed: list[torch.Tensor] = []  # per pass and slice: [S, parameters]
+        for _ in range(probe.passes):
+            for xp, yp in zip(x.tensor_split(parts), y.tensor_split(parts), strict=True):
+                total: torch.Tensor | None = None
+                chunk = gns_probes.FULL_SPLIT_CHUNK
+                for start in range(0, xp.shape[0], chunk):
+                    xs, ys = xp[start : start + chunk], yp[start : start + chunk]
+                    grads: list[torch.Tensor] = []  # the layers' gradients, last layer first
+
+                    def keep(h: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
+                        grads[:0] = [torch.bmm(grad.transpose(1, 2), h).flatten(1), grad.sum(1)]
+
+                    # d(rows · mean loss)/d(log_probs): -1 at each row's target (rows/rows, exactly)
+                    self._backprop(*self._stacked(xs, ys, n), -1.0, keep, generators)
+                    flat = torch.cat(grads, dim=1)
+                    total = flat if total is None else total + flat
+                assert total is not None
+                summed.append(total)
+        sums = torch.stack(summed, dim=1).view(n, probe.passes, parts, -1)
+        pick = probe.row_pick(step, rows)
+        squares = self._row_squares(x[pick], y[pick], generators)
+        share = torch.tensor(float(pick.shape[0]), device=x.device)
+        return [
+            seed_probe.assemble(sums[i].clone(), torch.stack([squares[i, 0], share, squares[i, 1]]), rows)
+            for i, seed_probe in enumerate(seed.probe for seed in seeds if seed.probe is not None)
+        ]
+
+    def _row_squares(self, x: torch.Tensor, y: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+        """[S, 2]: each seed's [Σ |g_row|², Σ |g_row|⁴] over the rows, as gns_probes.linear_row_squares
+        sums them: Σ over Linear layers, first to last, of |δ|²·|a|² (+ |δ|² with a bias)."""
+        terms: list[tuple[torch.Tensor, torch.Tensor]] = []  # per Linear, last first: |δ|², |a|² per row
+
+        def keep(h: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
+            terms.insert(0, (grad.square().sum(2), h.square().sum(2)))
+
+        self._backprop(*self._stacked(x, y, len(self.seeds)), -1.0, keep, generators)
+        per = torch.zeros(len(self.seeds), x.shape[0], device=x.device)
+        for d2, a2 in terms:
+            per = per + d2 * a2
+            per = per + d2  # every built-in Linear has a bias
+        return torch.stack([per.sum(1), per.square().sum(1)], dim=1)
+
+    @staticmethod
+    def _stacked(x: torch.Tensor, y: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.unsqueeze(0).expand(n, *x.shape), y.unsqueeze(0).expand(n, *y.shape)
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor, chunk: int = 8192) -> torch.Tensor:

@@ -104,23 +104,37 @@ class FullSplitProbe:
             self.step_rows += inputs.shape[0]
 
     def small(self, step: int) -> FullSplitMeasure | None:
+        return self.measure(step) if self.due(step) else None
+
+    def due(self, step: int) -> bool:
+        """Whether the probe measures at `step` (a group of seeds may measure theirs together)."""
         if self.every is None:  # from the first step's (global) rows: the same period every run and rank
             self.every = full_split_every(self.rows_per_pass, self.step_rows * self.world_size, self.passes)
         start = self.every if self.first is None else self.first
-        if step < start or (step - start) % self.every:
-            return None
-        return self.measure(step)
+        return step >= start and (step - start) % self.every == 0
+
+    def split_rows(self, step: int, draw: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The train rows a measurement at `step` passes over (all of the split, or FULL_SPLIT_ROWS
+        of it drawn by step: the same rows on every rank and every seed of a group)."""
+        x, y = self.x, self.y
+        if x.shape[0] > self.rows_per_pass:  # one generator, one seed by step, as the rows' own
+            # gradients are: a resumed run draws what an unbroken one drew
+            self.draw.manual_seed(step + DRAW_STRIDE * draw)
+            pick = torch.randperm(x.shape[0], generator=self.draw, device=x.device)[: self.rows_per_pass]
+            x, y = x[pick], y[pick]
+        return x, y
+
+    def row_pick(self, step: int, rows: int) -> torch.Tensor:
+        """Which of this rank's `rows` rows the rows' own gradients are taken from at `step`."""
+        share = min(rows, math.ceil(ROW_SAMPLE / self.world_size))
+        self.draw_rows.manual_seed(step * 1009 + self.rank)  # a resumed run draws the same rows
+        return torch.randperm(rows, generator=self.draw_rows, device=self.x.device)[:share]
 
     def measure(self, step: int, draw: int = 0) -> FullSplitMeasure:
         """A measurement at the current weights now, its rows drawn by `step` (and rank). `draw` > 0:
         another measurement at the same weights and step, with masks and rows of its own (draw 0's
         masks are the training's RNG state's, as a scheduled probe's)."""
-        x, y = self.x, self.y
-        if x.shape[0] > self.rows_per_pass:  # the same rows on every rank: one generator, one seed
-            # by step, as the rows' own gradients are: a resumed run draws what an unbroken one drew
-            self.draw.manual_seed(step + DRAW_STRIDE * draw)
-            pick = torch.randperm(x.shape[0], generator=self.draw, device=x.device)[: self.rows_per_pass]
-            x, y = x[pick], y[pick]
+        x, y = self.split_rows(step, draw)
         rows = x.shape[0]
         x, y = x[self.rank :: self.world_size], y[self.rank :: self.world_size]
         devices = [x.device] if x.device.type == "cuda" else []  # the CPU generator is always restored
@@ -140,8 +154,14 @@ class FullSplitProbe:
             dist.all_reduce(sums)
             if squares is not None:  # the same model on every rank: all take it, or none
                 dist.all_reduce(squares)
+        return self.assemble(sums, squares, rows)
+
+    def assemble(self, sums: torch.Tensor, squares: torch.Tensor | None, rows: int) -> FullSplitMeasure:
+        """The measurement from its sums: the passes' gradients summed over each slice of the `rows`
+        rows ([passes, parts, parameters]) and [Σ |g_row|², rows drawn, Σ |g_row|⁴] (None: tr(Σ)
+        from the steps' norms), summed over the ranks."""
         first, second = sums[0].sum(0) / rows, sums[-1].sum(0) / rows
-        half_diff_sq = (first - second).square().sum() / 2 if self.passes > 1 else torch.zeros((), device=x.device)
+        half_diff_sq = (first - second).square().sum() / 2 if self.passes > 1 else torch.zeros((), device=sums.device)
         cross_var = _cross_variance((sums[0] - sums[-1]) / rows, (first + second) / 2)
         half_window = max(1, min((self.every or 2) // 2, MAX_HALF_WINDOW))
         if squares is None:  # tr(Σ) from the steps' norms
@@ -162,9 +182,8 @@ class FullSplitProbe:
         its tr(Σ) then comes from the steps' own gradient norms around the probe, as before."""
         if self.rows_fail is not None:
             return None
-        share = min(x.shape[0], math.ceil(ROW_SAMPLE / self.world_size))
-        self.draw_rows.manual_seed(step * 1009 + self.rank)  # a resumed run draws the same rows
-        pick = torch.randperm(x.shape[0], generator=self.draw_rows, device=x.device)[:share]
+        pick = self.row_pick(step, x.shape[0])
+        share = pick.shape[0]
         try:
             total = row_squares(self.model, self.loss_fn, x[pick], y[pick])
         except Exception as err:  # the user's forward: any error vmap or it raises
