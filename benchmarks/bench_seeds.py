@@ -5,17 +5,18 @@ Each variant trains a sweep experiment's config (the params.yaml model: MLP [64,
 thread, wall time of the training call: fit() for one seed, fit() five times one after another
 (what the sweep did before), vectorized.fit_seeds() for five together. The variants run
 interleaved in one process, the median of REPEATS is kept, and the load average is recorded
-before and after: a neighbour's load hits every variant alike. Target (issue #12): 5 seeds
-together in ≤ 2x one seed's wall time. The "dropout 0" rows show what the dropout masks cost:
+before and after: a neighbour's load hits every variant alike. Target (issue #45): 5 seeds
+together in ≤ 1.6x one seed's wall time (#12 asked 2x). The "dropout 0" rows show what the dropout masks cost:
 each seed draws its own (one bernoulli_ per seed and layer, the draws its separate run makes),
 so they cost as much per seed together as apart.
 
 The CNN rows (issue #27) take the same sweep experiment's settings with the built-in CNN
 (params.yaml's channels [16, 32], dropout 0.1) on the digits as 8x8 images, batch 32: its seeds
 train together through vmap over functional_call (seeds/functional.py), not the MLP's kernels.
-Beside them, `cnn_floor`: each kind of call a seed's run makes, by one seed's model on its rows
-and on 5x them, weighted by how often an epoch makes it: what 5 seeds' arithmetic costs through
-one set of weights, which no stacking of the seeds shares away where a call's cost grows with its rows.
+Beside each, `arithmetic_floor`: each kind of call a seed's run makes, by one seed's model on its
+rows and on 5x them, weighted by how often an epoch makes it: what 5 seeds' arithmetic costs
+through one set of weights (their dropout masks included), which no stacking of the seeds shares
+away where a call's cost grows with its rows.
 
     python benchmarks/run_all.py --only seeds    # or `make bench`: results.json and the README tables
     python benchmarks/bench_seeds.py --cnn       # the CNN rows alone, printed (nothing written)
@@ -44,16 +45,16 @@ BATCH_SIZES = (16, 32, 64)
 SEEDS = (0, 1, 2, 3, 4)
 EPOCHS = 10
 REPEATS = 7
-TARGET = 2.0  # 5 seeds together in at most 2x one seed's wall time
+TARGET = 1.6  # 5 seeds together in at most 1.6x one seed's wall time (issue #45; #12 asked 2x)
 CNN_BATCH = 32
+CNN_TARGET = 1.1  # the CNN's 5 seeds within 1.1x of what their arithmetic costs (issue #45)
 OUT = REPO / "benchmarks" / "out" / "seeds.md"
+PLAIN, QUIET = "dropout 0", "noise probe off"  # the variants beside the sweep's settings
 
 
-def configs(base: Config, batch: int, n_train: int, dropout: float | None = None) -> list[Config]:
-    model = base.model if dropout is None else base.model.model_copy(update={"dropout": dropout})
+def configs(base: Config, batch: int, n_train: int) -> list[Config]:
     cfg = base.model_copy(
         update={
-            "model": model,
             "train": base.train.model_copy(update={"threads": 1, "device": "cpu"}),
             "tracking": base.tracking.model_copy(update={"enabled": False}),
         }
@@ -68,18 +69,29 @@ def seconds(call: Any) -> float:
     return time.perf_counter() - started
 
 
-def variants(cfgs: list[Config], plain: list[Config], dataset: Dataset) -> dict[str, Any]:
-    """`plain`: the same without dropout, whose masks (one bernoulli_ per seed and layer, the draws a
-    separate run makes) cost as much per seed together as apart."""
+def variants(cfgs: list[Config], dataset: Dataset) -> dict[str, Any]:
+    """The sweep's settings, and beside them without dropout (whose masks, one bernoulli_ per seed
+    and layer, the draws a separate run makes, cost as much per seed together as apart) and
+    without the noise probe (whose passes over the train split cost about as much per seed
+    together as apart: their rows already fill a call)."""
     cpu = torch.device("cpu")
     n = len(cfgs)
+    plain = [c.model_copy(update={"model": c.model.model_copy(update={"dropout": 0.0})}) for c in cfgs]
+    quiet = [c.model_copy(update={"train": c.train.model_copy(update={"gns": False})}) for c in cfgs]
     return {
         "1 seed, fit()": lambda: fit(cfgs[0], dataset, Strategy(cpu)),
         f"{n} seeds, fit() one after another": lambda: [fit(c, dataset, Strategy(cpu)) for c in cfgs],
         f"{n} seeds together, fit_seeds()": lambda: vectorized.fit_seeds(cfgs, dataset, Strategy(cpu)),
-        "1 seed, fit(), dropout 0": lambda: fit(plain[0], dataset, Strategy(cpu)),
-        f"{n} seeds together, fit_seeds(), dropout 0": lambda: vectorized.fit_seeds(plain, dataset, Strategy(cpu)),
+        f"1 seed, fit(), {PLAIN}": lambda: fit(plain[0], dataset, Strategy(cpu)),
+        f"{n} seeds together, fit_seeds(), {PLAIN}": lambda: vectorized.fit_seeds(plain, dataset, Strategy(cpu)),
+        f"1 seed, fit(), {QUIET}": lambda: fit(quiet[0], dataset, Strategy(cpu)),
+        f"{n} seeds together, fit_seeds(), {QUIET}": lambda: vectorized.fit_seeds(quiet, dataset, Strategy(cpu)),
     }
+
+
+def _alone(variant: str) -> str:
+    """The one-seed variant of the same settings."""
+    return "1 seed, fit()" + next((f", {s}" for s in (PLAIN, QUIET) if variant.endswith(s)), "")
 
 
 def interleaved(runs: dict[str, Any], what: str) -> dict[str, list[float]]:
@@ -112,17 +124,19 @@ def cnn_rows(base: Config) -> dict[str, Any]:
     times = interleaved(runs, f"cnn batch {CNN_BATCH}")
     median = {name: statistics.median(t) for name, t in times.items()}
     load_after = os.getloadavg()[0]
+    floor_table, floor = arithmetic_floor(cfgs[0], dataset, "the CNN")
     table = Table(
         f"Seeds trained together, the CNN: a sweep experiment's training, {EPOCHS} epochs over {n_train} "
         f"8x8 digit images, CNN [16, 32], dropout 0.1, AdamW, noise scale on, 1 thread, wall seconds, median "
         f"of {REPEATS}; load average {load_before:.2f} before, {load_after:.2f} after",
-        ["batch", "variant", "seconds", "vs 1 seed", "target ≤ 2× 1 seed"],
+        ["batch", "variant", "seconds", "vs 1 seed", "arithmetic floor", f"target ≤ {CNN_TARGET:g}× the floor"],
     )
     for name in runs:
         ratio = median[name] / median["1 seed, fit()"]
-        target = verdict(ratio <= TARGET) if "together" in name else ""
-        table.add(CNN_BATCH, name, f"{median[name]:.2f}", f"{ratio:.2f}×", target)
-    return {"table": table, "floor": cnn_floor(cfgs[0], dataset), "seconds": times, "median_seconds": median,
+        mine = "together" in name
+        target = verdict(ratio <= CNN_TARGET * floor) if mine else ""
+        table.add(CNN_BATCH, name, f"{median[name]:.2f}", f"{ratio:.2f}×", f"{floor:.2f}×" if mine else "", target)
+    return {"table": table, "floor": floor_table, "floor_ratio": floor, "seconds": times, "median_seconds": median,
             "load_average_before": load_before, "load_average_after": load_after}  # fmt: skip
 
 
@@ -131,12 +145,13 @@ def _best_ms(call: Any, repeats: int = 15) -> float:
     return min(seconds(call) for _ in range(repeats)) * 1e3
 
 
-def cnn_floor(cfg: Config, dataset: Dataset) -> Table:
+def arithmetic_floor(cfg: Config, dataset: Dataset, what: str) -> tuple[Table, float]:
     """What 5 seeds' arithmetic costs on this machine: each kind of call a seed's run makes, by one
-    seed's model on its rows and on 5x them (5 seeds' rows through one set of weights), weighted by
-    how often an epoch makes it. Where the calls cost in proportion to their rows, no way of
-    stacking the seeds brings 5 of them near one seed's time."""
-    from batchlab.training.gns_probes import ROW_SAMPLE, FullSplitProbe, row_squares
+    seed's model on its rows and on 5x them (5 seeds' rows through one set of weights: their
+    dropout masks drawn too), weighted by how often an epoch makes it. Where the calls cost in
+    proportion to their rows, no way of stacking the seeds brings 5 of them near one seed's time.
+    Returns the table and the weighted epoch's ratio."""
+    from batchlab.training.gns_probes import PARTS, ROW_SAMPLE, FullSplitProbe, row_squares
     from batchlab.training.train import initial_model, predict_logits, split_tensors
 
     tc, cpu = cfg.train, torch.device("cpu")
@@ -156,7 +171,7 @@ def cnn_floor(cfg: Config, dataset: Dataset) -> Table:
 
     def passes(k: int) -> Any:  # the probe's own pass over the train split (its chunks)
         xs, ys = times(x, k), times(y, k)
-        return lambda: probe._summed_gradient(xs, ys)
+        return lambda: probe._summed_gradient(xs, ys, PARTS)
 
     def val(k: int) -> Any:
         rows = times(xv, k)
@@ -177,7 +192,7 @@ def cnn_floor(cfg: Config, dataset: Dataset) -> Table:
              "probe: a pass over the train split": (passes(1), passes(n_seeds)),
              "probe: rows' own gradients": (own(1), own(n_seeds))}  # fmt: skip
     table = Table(
-        f"What {n_seeds} seeds' arithmetic costs, the CNN: each call of a seed's run (batch {tc.batch_size}, "
+        f"What {n_seeds} seeds' arithmetic costs, {what}: each call of a seed's run (batch {tc.batch_size}, "
         f"1 thread) by one seed's model on its rows and on {n_seeds}x them, fastest of 15; load average "
         f"{os.getloadavg()[0]:.2f}",
         ["call", "per epoch", "its rows, ms", f"{n_seeds}x the rows, ms", "ratio"],
@@ -188,7 +203,7 @@ def cnn_floor(cfg: Config, dataset: Dataset) -> Table:
         one, five = one + per_epoch[name] * a, five + per_epoch[name] * b
         table.add(name, per_epoch[name], f"{a:.2f}", f"{b:.2f}", f"{b / a:.2f}×")
     table.add("an epoch, weighted", "", f"{one:.0f}", f"{five:.0f}", f"{five / one:.2f}×")
-    return table
+    return table, five / one
 
 
 def study_base() -> Config:
@@ -214,18 +229,18 @@ def main() -> dict[str, Any]:
     table = Table(
         f"Seeds trained together: a sweep experiment's training, {EPOCHS} epochs over {n_train} rows, "
         f"MLP [64, 64], dropout 0.1, AdamW, noise scale on, 1 thread, wall seconds, median of {REPEATS}",
-        ["batch", "variant", "seconds", "vs 1 seed (same dropout)", "target ≤ 2× 1 seed"],
+        ["batch", "variant", "seconds", "vs 1 seed (same settings)", f"target ≤ {TARGET:g}× 1 seed"],
     )
     measured: dict[str, Any] = {}
     # torch.func's first call in a process costs ~1 s: paid here, not by the first variant
     fit(configs(base, BATCH_SIZES[-1], n_train)[0], dataset, Strategy(torch.device("cpu")))
     for batch in BATCH_SIZES:
-        runs = variants(configs(base, batch, n_train), configs(base, batch, n_train, dropout=0.0), dataset)
+        runs = variants(configs(base, batch, n_train), dataset)
         times = interleaved(runs, f"batch {batch}")
         median = {name: statistics.median(t) for name, t in times.items()}
         for name in runs:
-            ratio = median[name] / median["1 seed, fit(), dropout 0" if "dropout 0" in name else "1 seed, fit()"]
-            target = verdict(ratio <= TARGET) if "together" in name and "dropout 0" not in name else ""
+            ratio = median[name] / median[_alone(name)]
+            target = verdict(ratio <= TARGET) if name.endswith("together, fit_seeds()") else ""
             table.add(batch, name, f"{median[name]:.2f}", f"{ratio:.2f}×", target)
         measured[str(batch)] = {"seconds": times, "median_seconds": median}
     load = {"load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
