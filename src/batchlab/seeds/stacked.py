@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchlab.seeds.group import Seed, SeedGroup
-from batchlab.training.gns_estimates import FullSplitMeasure
 from batchlab.training import gns_probes
+from batchlab.training.gns_estimates import FullSplitMeasure
 from batchlab.training.strategy import Strategy
 
 __all__ = ["ACTIVATION_BACKWARD", "Seed", "StackedModels"]
@@ -182,12 +182,8 @@ class StackedModels(SeedGroup):
                 for start in range(0, xp.shape[0], chunk):
                     xs, ys = xp[start : start + chunk], yp[start : start + chunk]
                     grads: list[torch.Tensor] = []  # the layers' gradients, last layer first
-
-                    def keep(h: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
-                        grads[:0] = [torch.bmm(grad.transpose(1, 2), h).flatten(1), grad.sum(1)]
-
                     # d(rows · mean loss)/d(log_probs): -1 at each row's target (rows/rows, exactly)
-                    self._backprop(*self._stacked(xs, ys, n), -1.0, keep, generators)
+                    self._backprop(*self._stacked(xs, ys, n), -1.0, _gradients_into(grads), generators)
                     flat = torch.cat(grads, dim=1)
                     total = flat if total is None else total + flat
                 assert total is not None
@@ -229,3 +225,16 @@ class StackedModels(SeedGroup):
             for i in range(0, x.shape[0], chunk)
         ]
         return torch.cat(parts, dim=1)
+
+
+def _gradients_into(
+    grads: list[torch.Tensor],
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """What `_backprop` calls at each Linear to put its [S, parameters] weight and bias gradients
+    (F.linear's backward: grad.T @ h, grad summed over rows) in front of `grads`, so they end in
+    the model's parameter order."""
+
+    def keep(h: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        grads[:0] = [torch.bmm(grad.transpose(1, 2), h).flatten(1), grad.sum(1)]
+
+    return keep

@@ -15,7 +15,7 @@ from torch.func import functional_call, grad, vmap
 
 from batchlab.training.gns import MAX_HALF_WINDOW
 from batchlab.training.gns_estimates import FullSplitMeasure, Reading, pooled
-from batchlab.training.gns_exact import is_stochastic
+from batchlab.training.gns_exact import is_stochastic, row_wise_linears, tapped
 
 log = logging.getLogger(__name__)
 
@@ -244,10 +244,6 @@ def _cross_variance(diffs: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     return 2 * along + trace_cc
 
 
-# the layers linear_row_squares takes: each maps a row to a row
-ROW_WISE = (nn.Linear, nn.Identity, nn.Dropout, nn.ReLU, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.ELU)
-
-
 def row_chunk(parameters: int) -> int:
     """How many rows' own gradients one call takes for a model of `parameters` (ROW_FLOATS)."""
     return max(1, min(ROW_CHUNK, ROW_FLOATS // max(parameters, 1)))
@@ -263,33 +259,19 @@ def row_squares(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Ten
 
 
 def linear_row_squares(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-    """row_squares from one batched forward and backward, for an nn.Sequential of Linear layers,
-    element-wise activations and dropout on rows [rows, features] (the MLP), where nothing mixes
-    rows: a row's gradient of a Linear's weight is δ·aᵀ (a: its input, δ: the gradient of the row's
-    loss at its output), so |g_row|² = Σ |δ|²·(|a|² + 1 with a bias), exactly, at a batched pass's
-    cost. None for any other model (vmap takes it: a forward of its own may mix rows)."""
-    layers = [m for m in model.modules() if not isinstance(m, nn.Sequential)]
-    if not isinstance(model, nn.Sequential) or x.dim() != 2 or not all(isinstance(m, ROW_WISE) for m in layers):
+    """row_squares from one batched forward and backward for a row-wise model (the MLP:
+    gns_exact.row_wise_linears): |g_row|² = Σ |δ|²·(|a|² + 1 with a bias) per Linear, exactly, at
+    a batched pass's cost. None for any other model (vmap takes it)."""
+    linears = row_wise_linears(model, x)
+    if linears is None:
         return None
-    linears = [m for m in layers if isinstance(m, nn.Linear)]
-    seen: list[tuple[nn.Linear, torch.Tensor, torch.Tensor]] = []
-
-    def keep(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-        seen.append((module, inputs[0], output))  # type: ignore[arg-type]
-
-    hooks = [m.register_forward_hook(keep) for m in linears]
-    try:
-        with torch.enable_grad():
-            logits = model(x)
-            calls = [id(m) for m, _, _ in seen]
-            if len(set(calls)) != len(calls):
-                return None  # a Linear applied twice: a row's gradient of it does not factor
-            loss = loss_fn(logits.float(), y) * x.shape[0]  # every row's own loss, summed
-            live = [(module, a, out) for module, a, out in seen if out.requires_grad]  # a frozen first layer's is not
-            deltas = torch.autograd.grad(loss, [out for _, _, out in live], allow_unused=True)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with tapped(linears) as taps, torch.enable_grad():
+        logits = model(x)
+        if len(taps) != len(linears):
+            return None  # a Linear applied twice: a row's gradient of it does not factor
+        loss = loss_fn(logits.float(), y) * x.shape[0]  # every row's own loss, summed
+        live = [(module, a, out) for module, a, out in taps if out.requires_grad]  # a frozen first layer's is not
+        deltas = torch.autograd.grad(loss, [out for _, _, out in live], allow_unused=True)
     per = torch.zeros(x.shape[0], device=x.device)
     for (module, a, _), delta in zip(live, deltas, strict=True):
         if delta is None or not module.weight.requires_grad:
