@@ -82,16 +82,16 @@ Tap = tuple[nn.Linear, torch.Tensor, torch.Tensor]
 
 
 def row_wise_linears(model: nn.Module, x: torch.Tensor) -> list[nn.Linear] | None:
-    """The Linear layers of `model` when it is an nn.Sequential of ROW_WISE layers, none in place
-    or used twice, on rows [rows, features]: nothing mixes rows, so a row's gradient of each
-    Linear factors into its input and the gradient at its output. None for any other model."""
+    """The Linear layers of `model` when it is an nn.Sequential of ROW_WISE layers, none in place,
+    on rows [rows, features]: nothing mixes rows, so a row's gradient of each Linear factors into
+    its input and the gradient at its output. None for any other model. A Linear the forward
+    applies twice does not factor: it shows as more taps (`tapped`) than Linears, which callers check."""
     layers = [m for m in model.modules() if not isinstance(m, nn.Sequential)]
     if not isinstance(model, nn.Sequential) or x.dim() != 2:
         return None
     if not all(isinstance(m, ROW_WISE) and not getattr(m, "inplace", False) for m in layers):
         return None
-    linears = [m for m in layers if isinstance(m, nn.Linear)]
-    return linears if len({id(m) for m in linears}) == len(linears) else None
+    return [m for m in layers if isinstance(m, nn.Linear)]
 
 
 @contextmanager
