@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -13,7 +11,7 @@ import pytest
 from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from tests.support import env_with_venv, prefect_call, prefect_server, run, wait_until
+from tests.support import env_with_venv, prefect_call, prefect_server, run, stop_group, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -59,7 +57,6 @@ def test_a_worker_on_the_work_pool_runs_a_triggered_scheduled_deployment(repo_co
             state = wait_until(final_state, "the worker to finish the run", interval=2, process=worker, log=log)
             assert state.is_completed(), f"{state}\n{log.read_text()[-4000:]}"
         finally:
-            os.killpg(worker.pid, signal.SIGTERM)
-            worker.wait(timeout=60)
+            stop_group(worker)
     assert str(flow_run.id) in log.read_text()  # this worker ran it, not anything else
     assert (repo_copy / "models/model.onnx").is_file()  # in the checkout the deployment names

@@ -283,10 +283,21 @@ def test_a_stopped_local_sweep_stops_its_lanes_processes_and_no_other_child(monk
         lane = context.Process(target=time.sleep, args=(120,))
         pool = ThreadPoolExecutor(max_workers=1)
         future = pool.submit(lambda: (lane.start(), lane.join()))
-        wait_until(lambda: lane.pid, "the lane's process to start", timeout=60)
+        # started and exec'd: a SIGINT that lands between spawn's fork and its exec is lost (the
+        # child still has the parent's handler, which exec resets), and the stop then waits STOP_S
+        # to kill it (seen once at load 6)
+        wait_until(lambda: lane.pid and b"spawn_main" in _cmdline(lane.pid), "the lane's process to start", timeout=60)
         monkeypatch.setattr(executors, "ON_THEIR_OWN_S", 0.5)
         executors._stop(pool, [future], others)
+        pool.shutdown(wait=True)  # as run_local's `finally` does after a stop
         assert future.done() and lane.exitcode is not None and other.is_alive()
     finally:
         other.kill()
         other.join(10)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone already
+        return b""
