@@ -99,8 +99,7 @@ class SeedGroup:
         measured: dict[int, FullSplitMeasure] = {}
         if due:
             steps = {seed.noise.steps + 1 for seed in due}
-            together = len(due) == len(self.seeds) and len(steps) == 1 and self.probes_together(due)
-            if together:
+            if len(due) == len(self.seeds) and len(steps) == 1:  # every seed at once
                 measured = dict(zip([s.index for s in due], self.probe_together(due, steps.pop()), strict=True))
             else:
                 measured = {seed.index: seed.probe.measure(seed.noise.steps + 1) for seed in due if seed.probe}
@@ -108,13 +107,10 @@ class SeedGroup:
             seed.noise.record_step(norms[seed.index], measured.get(seed.index), self.rows)
         return norms
 
-    def probes_together(self, seeds: list[Seed]) -> bool:
-        """Whether `probe_together` can take these seeds' probes (all of the group's, due at one step)."""
-        return False
-
     def probe_together(self, seeds: list[Seed], step: int) -> list[FullSplitMeasure]:
-        """The seeds' noise probes at `step`, each what its separate run's probe measures."""
-        raise NotImplementedError
+        """The noise probes of every seed of the group at `step`, each what its separate run's probe
+        measures: here each seed's own probe in turn (a subclass may share their arithmetic)."""
+        return [seed.probe.measure(step) for seed in seeds if seed.probe is not None]
 
     def flat_weights(self) -> torch.Tensor:
         """Every seed's weights as one row [S, P], in its module's parameter order (a copy)."""

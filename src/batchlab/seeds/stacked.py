@@ -25,6 +25,7 @@ from torch import nn
 from batchlab.seeds.group import Seed, SeedGroup
 from batchlab.training import gns_probes
 from batchlab.training.gns_estimates import FullSplitMeasure
+from batchlab.training.gns_exact import RowTerms, row_square_sums
 from batchlab.training.strategy import Strategy
 
 __all__ = ["ACTIVATION_BACKWARD", "Seed", "StackedModels"]
@@ -153,9 +154,6 @@ class StackedModels(SeedGroup):
                 grad = ACTIVATION_BACKWARD[type(activation)](activation, grad, h, out)
         return log_probs
 
-    def probes_together(self, seeds: list[Seed]) -> bool:
-        return all(seed.probe is not None and seed.probe.world_size == 1 for seed in seeds)
-
     @torch.no_grad()
     def probe_together(self, seeds: list[Seed], step: int) -> list[FullSplitMeasure]:
         """The noise probes of `seeds` (all of the group, due at `step`) in one stacked pass each:
@@ -198,19 +196,15 @@ class StackedModels(SeedGroup):
         ]
 
     def _row_squares(self, x: torch.Tensor, y: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-        """[S, 2]: each seed's [Σ |g_row|², Σ |g_row|⁴] over the rows, as gns_probes.linear_row_squares
-        sums them: Σ over Linear layers, first to last, of |δ|²·|a|² (+ |δ|² with a bias)."""
-        terms: list[tuple[torch.Tensor, torch.Tensor]] = []  # per Linear, last first: |δ|², |a|² per row
+        """[S, 2]: each seed's [Σ |g_row|², Σ |g_row|⁴] over the rows, summed as the separate probe's
+        linear_row_squares sums them (gns_exact.row_square_sums)."""
+        terms: list[RowTerms] = []  # per Linear, last first: |δ|², |a|² per row
 
         def keep(h: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
-            terms.insert(0, (grad.square().sum(2), h.square().sum(2)))
+            terms.insert(0, (grad.square().sum(2), h.square().sum(2), True))  # every built-in Linear has a bias
 
         self._backprop(*self._stacked(x, y, len(self.seeds)), -1.0, keep, generators)
-        per = torch.zeros(len(self.seeds), x.shape[0], device=x.device)
-        for d2, a2 in terms:
-            per = per + d2 * a2
-            per = per + d2  # every built-in Linear has a bias
-        return torch.stack([per.sum(1), per.square().sum(1)], dim=1)
+        return row_square_sums(torch.zeros(len(self.seeds), x.shape[0], device=x.device), terms)
 
     @staticmethod
     def _stacked(x: torch.Tensor, y: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

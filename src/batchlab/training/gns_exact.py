@@ -110,6 +110,23 @@ def tapped(linears: list[nn.Linear]) -> Iterator[list[Tap]]:
             hook.remove()
 
 
+# a Linear's part of each row's |g_row|²: |δ|² and |a|² per row, and whether its bias trains
+RowTerms = tuple[torch.Tensor, torch.Tensor, bool]
+
+
+def row_square_sums(start: torch.Tensor, terms: list[RowTerms]) -> torch.Tensor:
+    """[Σ |g_row|², Σ |g_row|⁴] over the rows (the last dimension) of a row-wise model, from each
+    trained Linear's terms, first to last: |g_row|² = Σ |δ|²·|a|² (+ |δ|² with a bias), added to
+    `start` (zeros shaped like a term). One order of sums for the probe and the seed group's stacked
+    probe, whose readings must be the same bits."""
+    per = start
+    for d2, a2, bias in terms:
+        per = per + d2 * a2
+        if bias:
+            per = per + d2
+    return torch.stack([per.sum(-1), per.square().sum(-1)], dim=-1)
+
+
 def exact_noise_scale(
     model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, draws: int = DRAWS, seed: int = 0,
     chunk: int = 512,

@@ -15,7 +15,7 @@ from torch.func import functional_call, grad, vmap
 
 from batchlab.training.gns import MAX_HALF_WINDOW
 from batchlab.training.gns_estimates import FullSplitMeasure, Reading, pooled
-from batchlab.training.gns_exact import is_stochastic, row_wise_linears, tapped
+from batchlab.training.gns_exact import is_stochastic, row_square_sums, row_wise_linears, tapped
 
 log = logging.getLogger(__name__)
 
@@ -272,15 +272,13 @@ def linear_row_squares(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: to
         loss = loss_fn(logits.float(), y) * x.shape[0]  # every row's own loss, summed
         live = [(module, a, out) for module, a, out in taps if out.requires_grad]  # a frozen first layer's is not
         deltas = torch.autograd.grad(loss, [out for _, _, out in live], allow_unused=True)
-    per = torch.zeros(x.shape[0], device=x.device)
-    for (module, a, _), delta in zip(live, deltas, strict=True):
-        if delta is None or not module.weight.requires_grad:
-            continue
-        d2 = delta.detach().float().square().sum(1)
-        per = per + d2 * a.detach().float().square().sum(1)
-        if module.bias is not None and module.bias.requires_grad:
-            per = per + d2
-    return torch.stack([per.sum(), per.square().sum()])
+    terms = [
+        (delta.detach().float().square().sum(1), a.detach().float().square().sum(1),
+         module.bias is not None and module.bias.requires_grad)
+        for (module, a, _), delta in zip(live, deltas, strict=True)
+        if delta is not None and module.weight.requires_grad
+    ]  # fmt: skip
+    return row_square_sums(torch.zeros(x.shape[0], device=x.device), terms)
 
 
 def _vmapped_row_squares(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
