@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +28,14 @@ STUDIES: dict[str, dict[str, Any]] = {
     "CNN on digits_images": {"data": {"source": "digits_images"}, "model": {"name": "cnn"}},
     "transformer on sequences": {"data": {"source": "sequences"}, "model": {"name": "transformer"}},
 }
+STUDIES_ALL = list(STUDIES)
 # BATCHLAB_BENCH_STUDIES=default,CNN: the studies whose names start with these (the transformer's
-# take ~25 min each here: its probe runs vmap's fallback for attention)
+# takes ~15 min a rule here: 922 s at load 0.4 on 2026-12-05); BATCHLAB_BENCH_RULES=time: the rules
 if os.environ.get("BATCHLAB_BENCH_STUDIES"):
     chosen = os.environ["BATCHLAB_BENCH_STUDIES"].split(",")
     STUDIES = {k: v for k, v in STUDIES.items() if any(k.startswith(c) for c in chosen)}
-RULES = ("time", "statistical")
+RULES = tuple(os.environ.get("BATCHLAB_BENCH_RULES", "time,statistical").split(","))
+RESULTS = REPO / "benchmarks" / "results.json"
 
 
 def _config(overrides: dict[str, Any], rule: str) -> Config:
@@ -66,9 +69,10 @@ def main() -> dict[str, Any]:
         "comparisons; seconds on the study's clock)",
         ["study", "rule", "adaptive s to target", "fastest fixed (s)", "Δ s vs fastest", "adaptive F1",
          "best F1 (batch)", "Δ F1 vs best", "steps vs best-F1 batch", "not slower / not worse / 40% fewer steps",
-         "schedule (seed 0)", "load", "wall (s)"],
+         "schedule (seed 0)", "load", "wall (s)", "measured"],
     )  # fmt: skip
     raw: dict[str, Any] = {}
+    today = time.strftime("%Y-%m-%d")
     for name, overrides in STUDIES.items():
         for rule in RULES:
             progress(f"adaptive: {name}, {rule} rule")
@@ -76,9 +80,10 @@ def main() -> dict[str, Any]:
             with tempfile.TemporaryDirectory() as tmp:
                 study, wall = _study(_config(overrides, rule), Path(tmp))
             row, figures = _row(study)
-            table.add(name, rule, *row[:-1], f"{load:.2f}", f"{wall:.0f}")
+            table.add(name, rule, *row[:-1], f"{load:.2f}", f"{wall:.0f}", today)
             progress(f"adaptive: {name}, {rule}: " + " | ".join(row[:-1]))  # a cut-short run keeps its rows
-            raw[f"{name} / {rule}"] = {**figures, "load": load, "wall_s": wall}
+            raw[f"{name} / {rule}"] = {**figures, "load": load, "wall_s": wall, "measured": today}
+    _keep_earlier(table, raw)
     tables = [table.as_dict()]
     print(markdown(tables))
     return {"tables": tables, "studies": raw}
@@ -107,7 +112,8 @@ def _row(study: analysis.Study) -> tuple[list[str], dict[str, Any]]:
         _pm(*f1, 4),
         f"{best_row['test_f1_macro_mean']:.4f} ({best})",
         _pm(vs_best.diff_mean, vs_best.diff_ci95, 4, vs_best.measurable),
-        f"{steps:.0f} vs {best_row['steps_to_target_mean']:.0f} ({fewer:+.0%} fewer)",
+        f"{steps:.0f} vs {best_row['steps_to_target_mean']:.0f} "
+        + (f"({fewer:.0%} fewer)" if fewer >= 0 else f"({-fewer:.0%} more)"),
         " / ".join("met" if g else "not met" for g in goals),
         schedule,
         "",
@@ -116,6 +122,25 @@ def _row(study: analysis.Study) -> tuple[list[str], dict[str, Any]]:
                "fastest_seconds": reached[fastest], "best_f1_batch": best, "fewer_steps": fewer,
                "goals": {"not_slower": goals[0], "not_worse_f1": goals[1], "fewer_steps_40": goals[2]}}  # fmt: skip
     return row, figures
+
+
+def _keep_earlier(table: Table, raw: dict[str, Any]) -> None:
+    """A run of some studies or rules (BATCHLAB_BENCH_STUDIES, BATCHLAB_BENCH_RULES) keeps the
+    earlier rows of the others, each with the date it was measured."""
+    earlier = json.loads(RESULTS.read_text()).get("benchmarks", {}).get("adaptive") if RESULTS.is_file() else None
+    if not earlier:
+        return
+    columns = earlier["tables"][0]["columns"]
+    for cells in earlier["tables"][0]["rows"]:
+        key = f"{cells[0]} / {cells[1]}"
+        if key in raw:
+            continue
+        old = dict(zip(columns, cells, strict=False))
+        measured = old.get("measured") or earlier["date"][:10]
+        table.add(*[old.get(c, measured if c == "measured" else "") for c in table.columns])
+        raw[key] = {**earlier["studies"].get(key, {}), "measured": measured}
+    order = {name: i for i, name in enumerate(STUDIES_ALL)}
+    table.rows.sort(key=lambda r: (order.get(r[0], len(order)), r[1] != "time"))
 
 
 if __name__ == "__main__":
