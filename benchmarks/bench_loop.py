@@ -3,7 +3,11 @@ a bare tensor loop and batchlab's fit().
 
 Same data, model, initial weights, optimizer (Adam, constant lr), epochs and one CPU thread
 for all of them; only the loop differs. Variants run interleaved and the median of REPEATS
-runs is kept, so a neighbour's load hits all alike. Lightning is a benchmark-only install
+runs is kept, so a neighbour's load hits all alike. The 5% line against the bare loop is judged on
+the ratio within each repeat (bare and batchlab back to back, the order reversed every other
+repeat), its median and order-statistic
+interval: side by side runs of a 0.1-1 s loop scatter ±5% here, so one ratio cannot tell 0.95 from
+0.93. Lightning is a benchmark-only install
 (`make bench`, benchmarks/requirements.txt); without it its rows are left out, saying so.
 """
 
@@ -29,7 +33,7 @@ from batchlab.model import build_model
 from batchlab.training.optim import steps_per_epoch
 from batchlab.training.strategy import Strategy
 from batchlab.training.train import fit
-from common import Table, markdown, progress, verdict
+from common import Table, markdown, median_interval, progress, verdict
 
 try:
     import lightning as L
@@ -40,7 +44,9 @@ BATCH_SIZES = (32, 512)
 EPOCHS = 5
 LR = 3e-3
 SEED = 0
-REPEATS = int(os.environ.get("BENCH_REPEATS", "5"))
+# 15 repeats: the median of the paired batchlab/bare ratios has a 96.5% interval (the 4th to the
+# 12th of 15), so the verdict on the 5% line can say "at the line" where that interval spans it
+REPEATS = int(os.environ.get("BENCH_REPEATS", "15"))
 # issue targets: batchlab vs tutorial speed per batch size, accuracy, batchlab vs bare
 SPEEDUP_TARGET = {32: 2.0, 512: 6.0}
 ACCURACY_POINTS = 0.5
@@ -206,13 +212,19 @@ def compare(batch: int, dataset: Dataset, checkpoint: Path) -> dict[str, list[Ru
     runs: dict[str, list[Run]] = {"tutorial": [], "bare": [], "batchlab": []}
     if L is not None:
         runs["lightning"] = []
+    variants: dict[str, Any] = {
+        "tutorial": lambda: tutorial(cfg, dataset),
+        "lightning": lambda: lightning(cfg, dataset),
+        "bare": lambda: bare(cfg, dataset),
+        "batchlab": lambda: batchlab(cfg, dataset, checkpoint),
+    }
+    names = [name for name in variants if name in runs]
     for repeat in range(REPEATS):
         progress(f"loop: batch {batch}, repeat {repeat + 1}/{REPEATS}")
-        runs["tutorial"].append(tutorial(cfg, dataset))
-        if L is not None:
-            runs["lightning"].append(lightning(cfg, dataset))
-        runs["bare"].append(bare(cfg, dataset))
-        runs["batchlab"].append(batchlab(cfg, dataset, checkpoint))
+        # every other repeat in reverse order: what runs before a variant (the tutorial's DataLoader
+        # before bare, bare before batchlab) moved a paired ratio by up to 5% here
+        for name in names if repeat % 2 == 0 else names[::-1]:
+            runs[name].append(variants[name]())
     return runs
 
 
@@ -251,16 +263,20 @@ def report(batch: int, runs: dict[str, list[Run]], speed: Table, targets: Table)
             ratios["batchlab/tutorial"] >= SPEEDUP_TARGET[batch],
         ),
         f"accuracy within {ACCURACY_POINTS} pts of tutorial": (f"{gap:.2f} pts", gap <= ACCURACY_POINTS),
-        f"batchlab within {BARE_TOLERANCE:.0%} of bare": (
-            f"{ratios['batchlab/bare']:.3f}×",
-            ratios["batchlab/bare"] >= 1 - BARE_TOLERANCE,
-        ),
     }
     for target, (value, met) in checks.items():
         targets.add(batch, target, value, verdict(met))
+    # bare and batchlab run back to back in each repeat (in either order): their ratio shares its load
+    paired = [lab.samples_per_s / flat.samples_per_s for lab, flat in zip(runs["batchlab"], runs["bare"], strict=True)]
+    mid, low, high, cover = median_interval(paired)
+    line = 1 - BARE_TOLERANCE
+    at_bare = "met" if low >= line else "MISSED" if high < line else f"at the line (its interval spans {line:g})"
+    targets.add(batch, f"batchlab within {BARE_TOLERANCE:.0%} of bare (paired by repeat, median)",
+                f"{mid:.3f}× ({low:.3f}–{high:.3f}, {cover:.0%})", at_bare)  # fmt: skip
+    ratios["batchlab/bare_paired"] = {"median": mid, "low": low, "high": high, "coverage": cover}
     return {
         "ratios": ratios,
-        "targets_met": {target: met for target, (_, met) in checks.items()},
+        "targets_met": {**{target: met for target, (_, met) in checks.items()}, "within_bare": at_bare},
         "runs": {name: [run.as_dict() for run in rs] for name, rs in runs.items()},
     }
 

@@ -57,6 +57,20 @@ def verdict(met: bool) -> str:
     return "met" if met else "MISSED"
 
 
+def median_interval(values: list[float], coverage: float = 0.95) -> tuple[float, float, float, float]:
+    """The median of `values` and its distribution-free interval from order statistics: trimming k
+    values from each end, [x_(k+1), x_(n-k)] covers the median with 1 - 2·P(Bin(n, ½) ≤ k); k is the
+    largest trim that keeps `coverage` (0 where even the full range falls short: its own coverage is
+    returned). Returns (median, low, high, the interval's coverage)."""
+    from scipy.stats import binom
+
+    ordered, n = sorted(values), len(values)
+    covers = [1 - 2 * float(binom.cdf(k, n, 0.5)) for k in range((n + 1) // 2)]
+    k = max([k for k, c in enumerate(covers) if c >= coverage], default=0)
+    mid = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    return mid, ordered[k], ordered[n - 1 - k], covers[k]
+
+
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
