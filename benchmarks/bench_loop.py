@@ -3,11 +3,10 @@ a bare tensor loop and batchlab's fit().
 
 Same data, model, initial weights, optimizer (Adam, constant lr), epochs and one CPU thread
 for all of them; only the loop differs. Variants run interleaved and the median of REPEATS
-runs is kept, so a neighbour's load hits all alike. The 5% line against the bare loop is judged on
-the ratio within each repeat (bare and batchlab back to back, the order reversed every other
-repeat), its median and order-statistic
-interval: side by side runs of a 0.1-1 s loop scatter ±5% here, so one ratio cannot tell 0.95 from
-0.93. Lightning is a benchmark-only install
+runs is kept, so a neighbour's load hits all alike. The 5% line against the bare loop is judged
+on the ratio within each repeat (bare and batchlab back to back, the order reversed every other
+repeat): its median and order-statistic interval, since side by side runs of a 0.1-1 s loop
+scatter ±5% here and one ratio cannot tell 0.95 from 0.93. Lightning is a benchmark-only install
 (`make bench`, benchmarks/requirements.txt); without it its rows are left out, saying so.
 """
 
