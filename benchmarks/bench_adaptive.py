@@ -21,21 +21,18 @@ from batchlab.config import Config, load_config
 from batchlab.paths import Paths
 from batchlab.study import analysis
 from batchlab.sweep.run import run_sweep
-from common import REPO, Table, markdown, progress, timed, working_dir
+from common import REPO, Table, markdown, progress, recorded, timed, working_dir
 
 STUDIES: dict[str, dict[str, Any]] = {
     "default (MLP, synthetic)": {},
     "CNN on digits_images": {"data": {"source": "digits_images"}, "model": {"name": "cnn"}},
     "transformer on sequences": {"data": {"source": "sequences"}, "model": {"name": "transformer"}},
 }
-STUDIES_ALL = list(STUDIES)
 # BATCHLAB_BENCH_STUDIES=default,CNN: the studies whose names start with these (the transformer's
 # takes ~15 min a rule here: 922 s at load 0.4 on 2026-12-05); BATCHLAB_BENCH_RULES=time: the rules
-if os.environ.get("BATCHLAB_BENCH_STUDIES"):
-    chosen = os.environ["BATCHLAB_BENCH_STUDIES"].split(",")
-    STUDIES = {k: v for k, v in STUDIES.items() if any(k.startswith(c) for c in chosen)}
+CHOSEN = os.environ.get("BATCHLAB_BENCH_STUDIES", "").split(",")  # unset: [""], which every name starts with
+RUN = {k: v for k, v in STUDIES.items() if any(k.startswith(c) for c in CHOSEN)}
 RULES = tuple(os.environ.get("BATCHLAB_BENCH_RULES", "time,statistical").split(","))
-RESULTS = REPO / "benchmarks" / "results.json"
 
 
 def _config(overrides: dict[str, Any], rule: str) -> Config:
@@ -73,7 +70,7 @@ def main() -> dict[str, Any]:
     )  # fmt: skip
     raw: dict[str, Any] = {}
     today = time.strftime("%Y-%m-%d")
-    for name, overrides in STUDIES.items():
+    for name, overrides in RUN.items():
         for rule in RULES:
             progress(f"adaptive: {name}, {rule} rule")
             load = os.getloadavg()[0]
@@ -126,8 +123,8 @@ def _row(study: analysis.Study) -> tuple[list[str], dict[str, Any]]:
 
 def _keep_earlier(table: Table, raw: dict[str, Any]) -> None:
     """A run of some studies or rules (BATCHLAB_BENCH_STUDIES, BATCHLAB_BENCH_RULES) keeps the
-    earlier rows of the others, each with the date it was measured."""
-    earlier = json.loads(RESULTS.read_text()).get("benchmarks", {}).get("adaptive") if RESULTS.is_file() else None
+    earlier rows of the others (from benchmarks/results.json), each with the date it was measured."""
+    earlier = recorded().get("adaptive")
     if not earlier:
         return
     columns = earlier["tables"][0]["columns"]
@@ -139,7 +136,7 @@ def _keep_earlier(table: Table, raw: dict[str, Any]) -> None:
         measured = old.get("measured") or earlier["date"][:10]
         table.add(*[old.get(c, measured if c == "measured" else "") for c in table.columns])
         raw[key] = {**earlier["studies"].get(key, {}), "measured": measured}
-    order = {name: i for i, name in enumerate(STUDIES_ALL)}
+    order = {name: i for i, name in enumerate(STUDIES)}
     table.rows.sort(key=lambda r: (order.get(r[0], len(order)), r[1] != "time"))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results.json"
 BIN = Path(sys.executable).parent  # the venv that runs the benchmark also provides `batchlab` and `dvc`
 
 
@@ -51,6 +53,11 @@ def working_dir(path: Path) -> Iterator[None]:
         yield
     finally:
         os.chdir(previous)
+
+
+def recorded() -> dict[str, Any]:
+    """Each benchmark's last saved result in RESULTS, by name ({} before the first run)."""
+    return json.loads(RESULTS.read_text()).get("benchmarks", {}) if RESULTS.is_file() else {}
 
 
 def verdict(met: bool) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib
-import json
 import os
 import platform
 import time
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 
 from batchlab import atomic
-from common import REPO, markdown, progress
+from common import REPO, RESULTS, markdown, progress, recorded
 
 BENCHES = (
     "loop",
@@ -40,7 +39,6 @@ BENCHES = (
     "repro",
     "chaos",
 )
-RESULTS = REPO / "benchmarks" / "results.json"
 PAGE = REPO / "docs" / "benchmarks.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
@@ -57,7 +55,7 @@ def machine() -> dict[str, Any]:
 
 def run(names: list[str]) -> dict[str, Any]:
     # a subset run keeps the other benchmarks' last results
-    previous = json.loads(RESULTS.read_text()).get("benchmarks", {}) if RESULTS.is_file() else {}
+    previous = recorded()
     results = {"machine": machine(), "benchmarks": previous}
     for name in names:
         progress(f"== bench_{name}")
