@@ -64,6 +64,17 @@ def batches_fit(cfg: Config, n_train: int) -> None:
     too_big = [b for b in cfg.sweep.batch_sizes if b > n_train]
     if too_big:
         raise ConfigError(f"sweep.batch_sizes {too_big} are larger than the train split ({n_train} rows)")
+    if cfg.sweep.local_cbs:
+        if cfg.train.strategy != "single":
+            raise ConfigError(f"sweep.local_cbs branches on one process; train.strategy is {cfg.train.strategy}: set "
+                              "train.strategy: single for the study, or sweep.local_cbs: false")  # fmt: skip
+        base, multipliers = cfg.train.batch_size, cfg.sweep.local_cbs_multipliers
+        too_big = [k for k in multipliers if k * base > n_train]
+        if too_big:
+            fit = [k for k in multipliers if k * base <= n_train]
+            raise ConfigError(f"sweep.local_cbs_multipliers {too_big} make branches larger than the train split "
+                              f"({n_train} rows at train.batch_size {base}): use at most {n_train // base}, e.g. "
+                              f"{fit}")  # fmt: skip
 
 
 def csv_inside_raw(cfg: DataConfig) -> None:

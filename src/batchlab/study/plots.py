@@ -222,3 +222,37 @@ def draw(study: Study, folder: Path) -> None:
     steps_vs_examples(study, folder)
     val_curves(study, folder)
     noise_scale_curves(study, folder)
+
+
+def local_cbs(points: list[Any], b_crit: tuple[float, float, float] | None, folder: Path) -> None:
+    """sweep.local_cbs: the local critical batch size at each point with its interval, beside the
+    exact B_simple there and the in-training estimate, against examples seen, and the global B_crit
+    with its interval (study/local_cbs.py's Points)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    measured = [p for p in points if p.result.measured]
+    if measured:
+        x = [p.examples for p in measured]
+        cbs = [p.result.multiplier * p.batch for p in measured]
+        low = [c - p.result.low * p.batch for c, p in zip(cbs, measured, strict=True)]
+        high = [p.result.high * p.batch - c for c, p in zip(cbs, measured, strict=True)]
+        ax.errorbar(x, cbs, yerr=[low, high], fmt="o-", color="black", capsize=3, label="local CBS (95% interval)")
+        for key, style, label in (
+            ("b_simple_exact", "s--", "exact B_simple"),
+            ("b_simple_estimate", "x:", "in-training estimate"),
+        ):
+            pairs = [(p.examples, getattr(p, key)) for p in measured if getattr(p, key) == getattr(p, key)]
+            if pairs:
+                ax.plot([e for e, _ in pairs], [v for _, v in pairs], style, ms=4, label=label)
+        if b_crit is not None:
+            ax.axhline(b_crit[0], color="C3", lw=1, label=f"global B_crit {b_crit[0]:.0f}")
+            ax.axhspan(b_crit[1], b_crit[2], color="C3", alpha=0.12)
+        ax.set(yscale="log")
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "sweep.local_cbs is off" if not points else "no point measured", transform=ax.transAxes,
+                ha="center")  # fmt: skip
+    ax.set(xlabel="examples seen", ylabel="batch size")
+    ax.set_title("Local critical batch size through training", fontsize=11)
+    fig.tight_layout()
+    _save(fig, folder / "local_cbs.png")

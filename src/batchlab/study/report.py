@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchlab import atomic
-from batchlab.study import adaptive, clock, critical
+from batchlab.study import adaptive, clock, critical, local_cbs
 
 if TYPE_CHECKING:
     from batchlab.study.analysis import Study
@@ -198,6 +198,8 @@ def markdown(study: Study, context: dict[str, Any]) -> str:
         parts += ["## Adaptive batch size\n", adaptive.study_text(study) + "\n"]
     if context.get("clock"):
         parts += ["## The clock: throughput side by side\n", clock.text(context["clock"]) + "\n"]
+    if context.get("local_cbs"):
+        parts.append(local_cbs.section(context["local_cbs"], context["local_cbs_tolerance"], b_crit_interval(study)))
     extra = " ".join(t for t in (lr_text(study), budget_text(study, context["memory_budget_mb"])) if t)
     if extra:
         parts.append(extra + "\n")
@@ -209,6 +211,14 @@ def markdown(study: Study, context: dict[str, Any]) -> str:
         "peak RSS is the whole process, set mostly by the torch runtime.\n"
     )
     return "\n".join(parts)
+
+
+def b_crit_interval(study: Study) -> tuple[float, float, float] | None:
+    """The global B_crit with its 95% interval, where the fit has one."""
+    fit = study.fit
+    if not isinstance(fit, critical.Fit) or not math.isfinite(fit.b_crit_low):
+        return None
+    return fit.b_crit, fit.b_crit_low, fit.b_crit_high
 
 
 def _shared(study: Study) -> str:
@@ -267,5 +277,8 @@ def write(study: Study, folder: Path, context: dict[str, Any]) -> str:
         for s, v in zip(r["curve_steps"], r["curve_val_loss"], strict=True)
     ]
     atomic.write_csv(folder / "curves.csv", curves)
+    branched: list[local_cbs.Point] = context.get("local_cbs") or []  # sweep.local_cbs: header only when off
+    atomic.write_csv(folder / "local_cbs.csv", local_cbs.rows(branched), list(local_cbs.COLUMNS))
     plots.draw(study, folder)
+    plots.local_cbs(branched, b_crit_interval(study), folder)
     return text

@@ -17,11 +17,12 @@ from typing import Any
 from batchlab import atomic, data, tracking
 from batchlab.config import Config
 from batchlab.paths import Paths
-from batchlab.study import analysis, report
-from batchlab.sweep import executors, experiment, groups, plan, progress, speeds, truth
+from batchlab.study import analysis, local_cbs, report
+from batchlab.sweep import branches, executors, experiment, groups, plan, progress, speeds, truth
 from batchlab.sweep import state as sweep_state
 from batchlab.sweep.lock import exclusive
 from batchlab.sweep.state import Sweep
+from batchlab.training import threads
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,7 @@ def finish(
     scored = truth.with_exact(cfg, dataset, folders, ordered, target)  # `ordered` stays the stored rows
     n_test = int(dataset.test.y.shape[0])
     result = analysis.analyse(scored, n_test, cfg.sweep.target_val_loss, cfg.sweep.memory_budget_mb)
+    points = local_points(cfg, paths, dataset)
     context = {
         "lr_scaling": cfg.sweep.lr_scaling,
         "base_batch": cfg.train.batch_size,
@@ -154,12 +156,15 @@ def finish(
         "epochs": cfg.sweep.epochs or cfg.train.epochs,
         "memory_budget_mb": cfg.sweep.memory_budget_mb,
         "clock": sweep.clock.to_dict() if sweep.clock is not None else None,
+        "local_cbs": points,
+        "local_cbs_tolerance": cfg.sweep.local_cbs_tolerance,
     }
     if sweep.clock is not None:  # the report's copy of the table its seconds were read from
         atomic.write_json(folder / speeds.TABLE, sweep.clock.to_dict())
     markdown = report.write(result, folder, context)
     figures = {
         **result.figures(),
+        **local_cbs.figures(points, report.b_crit_interval(result)),
         "sweep_wall_seconds": wall,
         "sum_train_seconds": sum(r["train_seconds"] for r in ordered),
     }
@@ -179,6 +184,15 @@ def finish(
         parent.log_artifact(file, "sweep")
     sweep_state.save(paths, sweep, wall, attempt_started_at=None, reported=sweep_state.digest(ordered))
     return summary
+
+
+def local_points(cfg: Config, paths: Paths, dataset: data.Dataset) -> list[local_cbs.Point]:
+    """sweep.local_cbs's points, branched (or read back: sweep/branches.py) and estimated; none when off."""
+    if not cfg.sweep.local_cbs:
+        return []
+    threads.use_threads(threads.sweep_threads(cfg, data.shape(paths.data)))  # as the experiments trained
+    raw = branches.run(cfg, paths, dataset)
+    return local_cbs.points_of(raw, cfg.sweep.local_cbs_multipliers, cfg.sweep.local_cbs_tolerance)
 
 
 TO_TARGET = ("steps_to_target", "examples_to_target", "seconds_to_target")  # logged on each child as summary.*

@@ -127,8 +127,11 @@ def fit(
     strategy: Strategy,
     tracker: Tracker | None = None,
     checkpoint: Path | None = None,
+    until: int | None = None,
 ) -> TrainResult:
-    """Train the model of `cfg` on `dataset`; resume from `checkpoint` when it matches the config."""
+    """Train the model of `cfg` on `dataset`; resume from `checkpoint` when it matches the config.
+    `until`: stop after that many epochs of the run (its checkpoint is then the run's state there:
+    sweep.local_cbs branches from it), without the reading at the saved weights."""
     tc = cfg.train
     tracker = tracker or Tracker()
     n_train = dataset.train.y.shape[0]
@@ -145,7 +148,7 @@ def fit(
     kept: list[tuple[int, torch.Tensor]] = []  # train.curve_weights
     collector.resume()  # everything is loaded (the optimizer's torch._dynamo too): a loop that may run for hours
 
-    for epoch in range(state.epoch, tc.epochs):
+    for epoch in range(state.epoch, tc.epochs if until is None else min(until, tc.epochs)):
         # checked here, not after the epoch, so a run resumed from the stopping epoch stops too
         if state.should_stop(tc.early_stopping_patience):
             break
@@ -175,7 +178,7 @@ def fit(
         saved.save(trainee, state)  # every rank: a sharded checkpoint holds each rank's shards
     if bar is not None:
         bar.close()
-    return _result(trainee, state, tc, dataset, strategy, kept, batches)
+    return _result(trainee, state, tc, dataset, strategy, kept, batches, saved_reading=until is None)
 
 
 def _epoch(
@@ -245,8 +248,10 @@ def _result(
     strategy: Strategy,
     kept: list[Any],
     batches: BatchSchedule | None,
+    saved_reading: bool = True,
 ) -> TrainResult:
-    """The best epoch's weights, unwrapped, with the history; an error when no epoch was finite."""
+    """The best epoch's weights, unwrapped, with the history (and, with `saved_reading`, the noise
+    scale read at them); an error when no epoch was finite."""
     if state.best_epoch < 0:  # the weights were never better than "no model": nothing to return
         raise NonFiniteError(
             f"validation loss was never finite in {state.epoch} epochs; {likely_cause(dataset, strategy)}"
@@ -254,7 +259,8 @@ def _result(
     if batches is not None and strategy.is_main:
         log.info("adaptive batch schedule: %s", batches.summary())
     trainee.model.load_state_dict(trainee.best_weights)
-    saved = at_saved_weights(strategy.probe, dataset.train.y.shape[0]) if strategy.probe is not None else None
+    probe = strategy.probe if saved_reading else None
+    saved = at_saved_weights(probe, dataset.train.y.shape[0]) if probe is not None else None
     model = strategy.unwrap(trainee.model).eval()
     return TrainResult(
         model=model,

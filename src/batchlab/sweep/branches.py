@@ -1,0 +1,145 @@
+"""sweep.local_cbs: train.batch_size's run, branched at points of its training with each batch
+multiplier (training/branch.py), for every seed of the sweep; study/local_cbs.py reads the result.
+
+The run is the sweep's own experiment at train.batch_size (the same config, so the same weights
+at every epoch), trained here up to each point with its checkpoint kept there
+(sweep/local_cbs/seed<s>/epoch-<e>.pt, the resume format). Each seed's branches are stored with a
+key (the experiment's and the branching settings'): a rerun recomputes nothing, an edit of the
+params, data or code recomputes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from batchlab import atomic, data
+from batchlab.config import Config
+from batchlab.paths import Paths
+from batchlab.sweep.plan import Experiment, keyed, probe_every
+from batchlab.training.branch import branch_loss
+from batchlab.training.gns_exact import batch_coupled, exact_noise_scale
+from batchlab.training.gns_probes import FullSplitProbe, at_saved_weights
+from batchlab.training.optim import steps_per_epoch
+from batchlab.training.strategy import session
+from batchlab.training.train import fit, initial_model, split_tensors
+
+log = logging.getLogger(__name__)
+
+
+def folder(paths: Paths) -> Path:
+    return paths.outputs / "sweep" / "local_cbs"
+
+
+def branch_epochs(points: list[float], epochs: int) -> list[int]:
+    """Each point's epoch: the end of the epoch nearest its share of the run, from 1 to epochs − 1
+    (a branch needs a run before and after it), without repeats."""
+    return sorted({min(max(round(p * epochs), 1), max(epochs - 1, 1)) for p in points})
+
+
+def branch_examples(cfg: Config, epochs: int, n_train: int) -> int:
+    """The examples every branch trains: sweep.local_cbs_fraction of the run's, rounded to whole
+    batches of every multiplier (at least one of the largest)."""
+    whole = math.lcm(*(k * cfg.train.batch_size for k in cfg.sweep.local_cbs_multipliers))
+    return max(1, round(cfg.sweep.local_cbs_fraction * epochs * n_train / whole)) * whole
+
+
+def base_experiment(cfg: Config, seed: int, n_train: int) -> Experiment:
+    """The sweep's experiment at train.batch_size and `seed` (lr multiplier 1), probed as the sweep probes it."""
+    b, epochs = cfg.train.batch_size, cfg.sweep.epochs or cfg.train.epochs
+    every = max(1, steps_per_epoch(n_train, b) // cfg.sweep.evals_per_epoch)
+    return Experiment(b, seed, cfg.train.lr, epochs, 1.0, every, False, probe_every(steps_per_epoch(n_train, b), every))
+
+
+def settings_key(cfg: Config, experiment_key: str) -> str:
+    """What a seed's stored branches depend on: the run's key and the branching settings."""
+    sc = cfg.sweep
+    settings = [
+        sc.local_cbs_points,
+        sc.local_cbs_multipliers,
+        sc.local_cbs_fraction,
+        sc.lr_scaling,
+        sc.exact_noise_rows,
+    ]
+    return f"{experiment_key}-{hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:12]}"
+
+
+def run(cfg: Config, paths: Paths, dataset: data.Dataset) -> list[dict[str, Any]]:
+    """Every point's branches over the seeds: [{epoch, fraction, examples, batch, start: [per seed],
+    losses: [per seed][per multiplier], b_simple_exact, b_simple_estimate}] (means over seeds)."""
+    n_train = int(dataset.train.y.shape[0])
+    per_seed = [_seed(cfg, paths, dataset, seed, n_train) for seed in cfg.sweep.seeds]
+    out = []
+    for i, first in enumerate(per_seed[0]):
+        at = [s[i] for s in per_seed]
+        out.append({
+            "epoch": first["epoch"], "fraction": first["fraction"], "examples": first["examples"],
+            "batch": cfg.train.batch_size, "start": [p["start"] for p in at], "losses": [p["losses"] for p in at],
+            "b_simple_exact": _mean([p["b_simple_exact"] for p in at]),
+            "b_simple_estimate": _mean([p["b_simple_estimate"] for p in at]),
+        })  # fmt: skip
+    return out
+
+
+def _mean(values: list[float]) -> float:
+    finite = [v for v in values if v == v]
+    return sum(finite) / len(finite) if len(finite) == len(values) and finite else math.nan
+
+
+def _seed(cfg: Config, paths: Paths, dataset: data.Dataset, seed: int, n_train: int) -> list[dict[str, Any]]:
+    """One seed's points, from its stored file when its key matches, else trained and stored."""
+    job = keyed(cfg, base_experiment(cfg, seed, n_train), dataset.content_hash())
+    key, where = settings_key(cfg, job.key), folder(paths) / f"seed{seed}"
+    stored = where / "branches.json"
+    if stored.is_file():
+        found = json.loads(stored.read_text())
+        if found.get("key") == key:
+            return list(found["points"])
+    shutil.rmtree(where, ignore_errors=True)  # another key's checkpoints: start over
+    where.mkdir(parents=True)
+    epochs, examples = job.exp.epochs, branch_examples(cfg, job.exp.epochs, n_train)
+    points = []
+    for epoch in branch_epochs(cfg.sweep.local_cbs_points, epochs):
+        with session(job.cfg.train) as strategy:
+            trained = fit(job.cfg, dataset, strategy, checkpoint=where / "train.pt", until=epoch)
+        kept = where / f"epoch-{epoch}.pt"
+        shutil.copyfile(where / "train.pt", kept)
+        saved = torch.load(kept, map_location="cpu", weights_only=True)
+        row, (exact, estimate) = trained.history[-1], _noise(cfg, dataset, saved)
+        losses = [branch_loss(job.cfg, dataset, saved, k, examples) for k in cfg.sweep.local_cbs_multipliers]
+        points.append({"epoch": epoch, "fraction": epoch / epochs, "examples": int(saved["state"]["examples"]),
+                       "start": float(row["val_loss"]), "losses": losses,
+                       "b_simple_exact": exact, "b_simple_estimate": estimate})  # fmt: skip
+        read = zip(cfg.sweep.local_cbs_multipliers, losses, strict=True)
+        log.info("local CBS: seed %d, epoch %d: val loss %.4f -> %s", seed, epoch, row["val_loss"],
+                 ", ".join(f"{k}x {v:.4f}" for k, v in read))  # fmt: skip
+    atomic.write_json(stored, {"key": key, "examples_per_branch": examples, "points": points})
+    return points
+
+
+def _noise(cfg: Config, dataset: data.Dataset, saved: dict[str, Any]) -> tuple[float, float]:
+    """The exact B_simple at the checkpoint's weights and the in-training estimator's reading there
+    (the probe training uses, pooled as at the saved weights): NaN where not computable (beyond
+    sweep.exact_noise_rows, a model whose rows are coupled by batch statistics, or one vmap cannot
+    take row by row)."""
+    model = initial_model(cfg, dataset.input_shape, dataset.n_classes, dataset.vocab)
+    model.load_state_dict(saved["model"])
+    model.train()  # dropout on, as a training step has it
+    if batch_coupled(model) is not None:
+        return math.nan, math.nan
+    x, y = split_tensors(dataset.train, torch.device("cpu"))
+    exact = (
+        exact_noise_scale(model, F.cross_entropy, x, y).b_simple
+        if x.shape[0] <= cfg.sweep.exact_noise_rows
+        else math.nan
+    )
+    reading = at_saved_weights(FullSplitProbe(model, F.cross_entropy, x, y), x.shape[0])
+    return float(exact), reading.b_simple if reading is not None else math.nan

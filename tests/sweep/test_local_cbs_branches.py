@@ -1,0 +1,135 @@
+"""sweep.local_cbs end to end on real training: a branch continues the run it came from, a problem
+without gradient noise gives the answer the lr rule implies, and the sweep reports, stores and
+reuses the branches; bad keys get one line naming the key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from batchlab import stages
+from batchlab.config import ConfigError, parse_config
+from batchlab.data import Dataset, Split
+from batchlab.paths import Paths
+from batchlab.study import local_cbs
+from batchlab.sweep import branches
+from batchlab.sweep.run import run_sweep
+from batchlab.training.branch import branch_loss
+from batchlab.training.strategy import session
+from batchlab.training.train import fit
+from tests.support import TINY, merge, tiny_config
+
+
+def _noiseless(rows: int = 256) -> Dataset:
+    """Every row the same: each batch's gradient is the full split's, whatever its size."""
+    x = np.tile(np.linspace(-1, 1, 8, dtype=np.float32), (rows, 1))
+    y = np.zeros(rows, dtype=np.int64)
+    split = Split(x, y)
+    return Dataset(split, Split(x[:32], y[:32]), Split(x[:32], y[:32]), [f"f{i}" for i in range(8)], ["a", "b"])
+
+
+def test_the_base_branch_continues_the_run_it_branches_from(tiny_dataset: Dataset, tmp_path: Path) -> None:
+    """Multiplier 1 from epoch 1's checkpoint over two epochs' rows is the run's epochs 2 and 3:
+    the same weights, optimizer state, schedule position and rows (no dropout, whole batches)."""
+    cfg = tiny_config(train={"batch_size": 20, "epochs": 4})  # 420 train rows: 21 whole batches an epoch
+    n = tiny_dataset.train.y.shape[0]
+    assert n % 20 == 0
+    with session(cfg.train) as strategy:
+        fit(cfg, tiny_dataset, strategy, checkpoint=tmp_path / "train.pt", until=1)
+    saved = torch.load(tmp_path / "train.pt", weights_only=True)
+    with session(cfg.train) as strategy:
+        run = fit(cfg, tiny_dataset, strategy, checkpoint=tmp_path / "train.pt", until=3)
+    assert branch_loss(cfg, tiny_dataset, saved, 1, 2 * n) == run.history[-1]["val_loss"]
+    assert branch_loss(cfg, tiny_dataset, saved, 2, 2 * n) != run.history[-1]["val_loss"]
+
+
+@pytest.mark.parametrize(("rule", "expected"), [("sqrt", (1, 1, 1)), ("linear", (8, 8, 8))])
+def test_without_gradient_noise_the_lr_rule_sets_the_local_cbs(workdir: Path, rule: str, expected: tuple) -> None:
+    """No noise: a k-times batch takes 1/k of the steps on the same gradient. At √k the lr it falls
+    ~1/√k as far (2x keeps 71% < 90% of the base branch's fall: the run's own batch is the CBS); at
+    k the lr a small step's progress is the same (every multiplier within)."""
+    cfg = tiny_config(
+        model={"hidden_sizes": [8], "dropout": 0.0},
+        train={"batch_size": 8, "epochs": 4, "optimizer": "sgd", "momentum": 0.0, "weight_decay": 0.0,
+               "schedule": "constant", "lr": 0.02},
+        sweep={"seeds": [0, 1, 2, 3, 4], "lr_scaling": rule, "local_cbs": True, "local_cbs_points": [0.5],
+               "local_cbs_multipliers": [1, 2, 4, 8], "local_cbs_fraction": 0.25},
+    )  # fmt: skip
+    raw = branches.run(cfg, Paths(workdir), _noiseless())
+    (point,) = local_cbs.points_of(raw, [1, 2, 4, 8], cfg.sweep.local_cbs_tolerance)
+    r = point.result
+    assert point.epoch == 2 and r.measured and (r.multiplier, r.low, r.high) == expected, r
+    assert abs(point.b_simple_exact) < 1e-5  # no noise indeed (float rounding only)
+
+
+@pytest.mark.integration
+def test_a_sweep_with_local_cbs_reports_stores_and_reuses_its_branches(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    cfg = tiny_config(
+        tracking={"enabled": True, "experiment": "local-cbs", "registered_model": "", "tracking_uri": uri},
+        train={"epochs": 4},
+        sweep={"epochs": 4, "seeds": [0, 1, 2], "local_cbs": True, "local_cbs_multipliers": [1, 2, 4],
+               "local_cbs_points": [0.25, 0.5]},
+    )  # fmt: skip
+    paths = Paths(workdir)
+    stages.generate(cfg, paths)
+    summary = run_sweep(cfg, paths)
+    folder = workdir / "reports/sweep"
+    stored = json.loads((workdir / "sweep/local_cbs/seed0/branches.json").read_text())
+    assert [p["epoch"] for p in stored["points"]] == [1, 2] and len(stored["points"][0]["losses"]) == 3
+    assert (workdir / "sweep/local_cbs/seed0/epoch-1.pt").is_file()  # the branch point, in the resume format
+    points = local_cbs.points_of(branches.run(cfg, paths, stages_dataset(paths)), [1, 2, 4], 0.1)
+    text = (folder / "summary.md").read_text()
+    assert "## The local critical batch size through training" in text
+    assert local_cbs.section(points, 0.1, None).splitlines()[6] in text  # the first point's row, as computed
+    metrics = json.loads((folder / "sweep.json").read_text())
+    assert metrics["local_cbs.p25.cbs"] == points[0].result.multiplier * 32 == summary["local_cbs.p25.cbs"]
+    rows = (folder / "local_cbs.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2 * 3 and rows[0].startswith("fraction,epoch,batch,multiplier")
+    assert (folder / "local_cbs.png").stat().st_size > 0
+    client = MlflowClient(uri)
+    (parent,) = client.search_runs([client.get_experiment_by_name("local-cbs").experiment_id], "tags.sweep = 'parent'")
+    assert parent.data.tags["study.local_cbs.p25.cbs"] == f"{metrics['local_cbs.p25.cbs']:.4g}"
+    logged = {a.path for a in client.list_artifacts(parent.info.run_id, "sweep")}
+    assert {"sweep/local_cbs.csv", "sweep/local_cbs.png"} <= logged
+
+    def refuse(*args: object) -> float:
+        raise AssertionError("a rerun trained a branch again")
+
+    monkeypatch.setattr(branches, "branch_loss", refuse)
+    again = run_sweep(cfg, paths)
+    assert again["local_cbs.p25.cbs"] == summary["local_cbs.p25.cbs"]
+
+
+def stages_dataset(paths: Paths) -> Dataset:
+    from batchlab import data
+
+    return data.load(paths.data)
+
+
+@pytest.mark.parametrize(
+    ("sweep", "says"),
+    [
+        ({"local_cbs_points": [0.5, 1.0]}, "local_cbs_points"),
+        ({"local_cbs_points": [0.0]}, "local_cbs_points"),
+        ({"local_cbs_multipliers": [2, 4]}, "sweep.local_cbs_multipliers must list 1"),
+        ({"local_cbs_fraction": 0}, "local_cbs_fraction"),
+    ],
+)
+def test_bad_local_cbs_keys_are_named(sweep: dict, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        parse_config(merge(TINY, {"sweep": {"local_cbs": True, **sweep}}))
+
+
+def test_a_branch_larger_than_the_train_split_is_refused_naming_the_key(workdir: Path) -> None:
+    cfg = tiny_config(sweep={"local_cbs": True, "local_cbs_multipliers": [1, 2, 32]})  # 32 x 32 rows > 420
+    stages.generate(cfg, Paths(workdir))
+    with pytest.raises(ConfigError, match=r"sweep.local_cbs_multipliers \[32\] make branches larger than the train"):
+        run_sweep(cfg, Paths(workdir))
