@@ -35,6 +35,7 @@ BENCHES = (
     "fsdp",
     "sweep",
     "adaptive",
+    "local_cbs",
     "dask",
     "repro",
     "chaos",

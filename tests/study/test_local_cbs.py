@@ -122,9 +122,9 @@ def test_the_report_prints_the_estimate_its_interval_and_the_ratio_to_the_exact_
     start = [1.0, 1.02, 0.98, 1.01, 0.99]
     losses = [[0.90, 0.905, 0.93, 0.99], [0.92, 0.921, 0.96, 1.0], [0.88, 0.889, 0.90, 0.97],
               [0.91, 0.913, 0.95, 0.98], [0.89, 0.891, 0.92, 0.99]]  # fmt: skip
-    raw = [{"epoch": 5, "fraction": 0.25, "examples": 1000, "batch": 64, "start": start, "losses": losses,
-            "b_simple_exact": 40.0, "b_simple_estimate": 44.0}]  # fmt: skip
-    points = local_cbs.points_of(raw, [1, 2, 4, 8], TOL)
+    raw = [{"epoch": 5, "fraction": 0.25, "examples": 1000, "batch": 64, "multipliers": [1, 2, 4, 8], "start": start,
+            "losses": losses, "b_simple_exact": 40.0, "b_simple_estimate": 44.0}]  # fmt: skip
+    points = local_cbs.points_of(raw, TOL)
     text = local_cbs.section(points, TOL, (100.0, 60.0, 200.0))
     # 2x (128 rows) within, 4x measurably worse: the interval off the grid is [128, 256)
     assert "| 25% | 5 | 128 (128–128) | 40 | 44 | 3.2 (3.2–6.4) |" in text

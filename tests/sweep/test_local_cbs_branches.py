@@ -17,7 +17,7 @@ from batchlab.config import ConfigError, parse_config
 from batchlab.data import Dataset, Split
 from batchlab.paths import Paths
 from batchlab.study import local_cbs
-from batchlab.sweep import branches
+from batchlab.sweep import branches, plan
 from batchlab.sweep.run import run_sweep
 from batchlab.training.branch import branch_loss
 from batchlab.training.strategy import session
@@ -61,7 +61,7 @@ def test_without_gradient_noise_the_lr_rule_sets_the_local_cbs(workdir: Path, ru
                "local_cbs_multipliers": [1, 2, 4, 8], "local_cbs_fraction": 0.25},
     )  # fmt: skip
     raw = branches.run(cfg, Paths(workdir), _noiseless())
-    (point,) = local_cbs.points_of(raw, [1, 2, 4, 8], cfg.sweep.local_cbs_tolerance)
+    (point,) = local_cbs.points_of(raw, cfg.sweep.local_cbs_tolerance)
     r = point.result
     assert point.epoch == 2 and r.measured and (r.multiplier, r.low, r.high) == expected, r
     assert abs(point.b_simple_exact) < 1e-5  # no noise indeed (float rounding only)
@@ -85,7 +85,7 @@ def test_a_sweep_with_local_cbs_reports_stores_and_reuses_its_branches(
     stored = json.loads((workdir / "sweep/local_cbs/seed0/branches.json").read_text())
     assert [p["epoch"] for p in stored["points"]] == [1, 2] and len(stored["points"][0]["losses"]) == 3
     assert (workdir / "sweep/local_cbs/seed0/epoch-1.pt").is_file()  # the branch point, in the resume format
-    points = local_cbs.points_of(branches.run(cfg, paths, stages_dataset(paths)), [1, 2, 4], 0.1)
+    points = local_cbs.points_of(branches.run(cfg, paths, stages_dataset(paths)), 0.1)
     text = (folder / "summary.md").read_text()
     assert "## The local critical batch size through training" in text
     assert local_cbs.section(points, 0.1, None).splitlines()[6] in text  # the first point's row, as computed
@@ -133,3 +133,17 @@ def test_a_branch_larger_than_the_train_split_is_refused_naming_the_key(workdir:
     stages.generate(cfg, Paths(workdir))
     with pytest.raises(ConfigError, match=r"sweep.local_cbs_multipliers \[32\] make branches larger than the train"):
         run_sweep(cfg, Paths(workdir))
+
+
+def test_multipliers_whose_step_passes_the_memory_budget_are_not_branched(tiny_dataset: Dataset) -> None:
+    shape = (tiny_dataset.input_shape, tiny_dataset.n_classes, tiny_dataset.vocab)
+    cfg = tiny_config(sweep={"local_cbs": True, "local_cbs_multipliers": [1, 2, 4, 8]})
+    mib = {k: plan.step_mib(cfg, 32 * k, 420, shape) for k in (2, 4)}
+    assert mib[2] < mib[4]
+    budget = (mib[2] + mib[4]) / 2
+    grid = {"local_cbs": True, "local_cbs_multipliers": [1, 2, 4, 8]}
+    cfg = tiny_config(sweep={**grid, "memory_budget_mb": budget})
+    assert branches.multipliers(cfg, tiny_dataset) == [1, 2]
+    tight = tiny_config(sweep={**grid, "memory_budget_mb": mib[2] / 2})
+    with pytest.raises(ConfigError, match=r"memory_budget_mb .* fits no branch batch above train.batch_size"):
+        branches.multipliers(tight, tiny_dataset)

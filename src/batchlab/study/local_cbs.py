@@ -142,11 +142,11 @@ class Point:
         return out
 
 
-def points_of(raw: list[dict[str, Any]], multipliers: list[int], tolerance: float) -> list[Point]:
-    """The points from the branches' stored rows (sweep/branches.py), each with its estimate."""
+def points_of(raw: list[dict[str, Any]], tolerance: float) -> list[Point]:
+    """The points from the branches' rows (sweep/branches.py), each with its estimate."""
     out = []
     for p in raw:
-        result = estimate(p["start"], p["losses"], multipliers, tolerance)
+        result = estimate(p["start"], p["losses"], p["multipliers"], tolerance)
         out.append(Point(p["epoch"], p["fraction"], p["examples"], p["batch"], p["start"], p["losses"],
                          p["b_simple_exact"], p["b_simple_estimate"], result))  # fmt: skip
     return out

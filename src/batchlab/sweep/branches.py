@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from batchlab import atomic, data
-from batchlab.config import Config
+from batchlab.config import Config, ConfigError
 from batchlab.paths import Paths
-from batchlab.sweep.plan import Experiment, keyed, probe_every
+from batchlab.sweep.plan import Experiment, keyed, probe_every, step_mib
 from batchlab.training.branch import branch_loss
 from batchlab.training.gns_exact import batch_coupled, exact_noise_scale
 from batchlab.training.gns_probes import FullSplitProbe, at_saved_weights
@@ -45,10 +45,10 @@ def branch_epochs(points: list[float], epochs: int) -> list[int]:
     return sorted({min(max(round(p * epochs), 1), max(epochs - 1, 1)) for p in points})
 
 
-def branch_examples(cfg: Config, epochs: int, n_train: int) -> int:
+def branch_examples(ks: list[int], cfg: Config, epochs: int, n_train: int) -> int:
     """The examples every branch trains: sweep.local_cbs_fraction of the run's, rounded to whole
-    batches of every multiplier (at least one of the largest)."""
-    whole = math.lcm(*(k * cfg.train.batch_size for k in cfg.sweep.local_cbs_multipliers))
+    batches of every multiplier in `ks` (at least one of the largest)."""
+    whole = math.lcm(*(k * cfg.train.batch_size for k in ks))
     return max(1, round(cfg.sweep.local_cbs_fraction * epochs * n_train / whole)) * whole
 
 
@@ -59,30 +59,45 @@ def base_experiment(cfg: Config, seed: int, n_train: int) -> Experiment:
     return Experiment(b, seed, cfg.train.lr, epochs, 1.0, every, False, probe_every(steps_per_epoch(n_train, b), every))
 
 
-def settings_key(cfg: Config, experiment_key: str) -> str:
-    """What a seed's stored branches depend on: the run's key and the branching settings."""
+def settings_key(cfg: Config, experiment_key: str, ks: list[int]) -> str:
+    """What a seed's stored branches depend on: the run's key and the branching settings (`ks`:
+    the multipliers branched)."""
     sc = cfg.sweep
-    settings = [
-        sc.local_cbs_points,
-        sc.local_cbs_multipliers,
-        sc.local_cbs_fraction,
-        sc.lr_scaling,
-        sc.exact_noise_rows,
-    ]
+    settings = [sc.local_cbs_points, ks, sc.local_cbs_fraction, sc.lr_scaling, sc.exact_noise_rows]
     return f"{experiment_key}-{hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:12]}"
 
 
+def multipliers(cfg: Config, dataset: data.Dataset) -> list[int]:
+    """sweep.local_cbs_multipliers whose branch's step fits sweep.memory_budget_mb (the study's
+    step-memory probe; all of them without a budget). The base branch always runs."""
+    ks, budget = cfg.sweep.local_cbs_multipliers, cfg.sweep.memory_budget_mb
+    if budget is None:
+        return ks
+    shape, n_train = (dataset.input_shape, dataset.n_classes, dataset.vocab), int(dataset.train.y.shape[0])
+    fits = [k for k in ks if k == 1 or step_mib(cfg, k * cfg.train.batch_size, n_train, shape) <= budget]
+    if len(fits) < 2:
+        raise ConfigError(f"sweep.memory_budget_mb {budget:g} fits no branch batch above train.batch_size "
+                          f"{cfg.train.batch_size} (sweep.local_cbs_multipliers {ks}): raise it, or set "
+                          "sweep.local_cbs: false")  # fmt: skip
+    if len(fits) < len(ks):
+        log.info("local CBS: multipliers %s need more than sweep.memory_budget_mb %g MiB a step: not branched",
+                 sorted(set(ks) - set(fits)), budget)  # fmt: skip
+    return fits
+
+
 def run(cfg: Config, paths: Paths, dataset: data.Dataset) -> list[dict[str, Any]]:
-    """Every point's branches over the seeds: [{epoch, fraction, examples, batch, start: [per seed],
-    losses: [per seed][per multiplier], b_simple_exact, b_simple_estimate}] (means over seeds)."""
-    n_train = int(dataset.train.y.shape[0])
-    per_seed = [_seed(cfg, paths, dataset, seed, n_train) for seed in cfg.sweep.seeds]
+    """Every point's branches over the seeds: [{epoch, fraction, examples, batch, multipliers,
+    start: [per seed], losses: [per seed][per multiplier], b_simple_exact, b_simple_estimate}]
+    (the noise scale's, means over seeds)."""
+    n_train, ks = int(dataset.train.y.shape[0]), multipliers(cfg, dataset)
+    per_seed = [_seed(cfg, paths, dataset, seed, n_train, ks) for seed in cfg.sweep.seeds]
     out = []
     for i, first in enumerate(per_seed[0]):
         at = [s[i] for s in per_seed]
         out.append({
             "epoch": first["epoch"], "fraction": first["fraction"], "examples": first["examples"],
-            "batch": cfg.train.batch_size, "start": [p["start"] for p in at], "losses": [p["losses"] for p in at],
+            "batch": cfg.train.batch_size, "multipliers": ks, "start": [p["start"] for p in at],
+            "losses": [p["losses"] for p in at],
             "b_simple_exact": _mean([p["b_simple_exact"] for p in at]),
             "b_simple_estimate": _mean([p["b_simple_estimate"] for p in at]),
         })  # fmt: skip
@@ -94,10 +109,12 @@ def _mean(values: list[float]) -> float:
     return sum(finite) / len(finite) if len(finite) == len(values) and finite else math.nan
 
 
-def _seed(cfg: Config, paths: Paths, dataset: data.Dataset, seed: int, n_train: int) -> list[dict[str, Any]]:
+def _seed(
+    cfg: Config, paths: Paths, dataset: data.Dataset, seed: int, n_train: int, ks: list[int]
+) -> list[dict[str, Any]]:
     """One seed's points, from its stored file when its key matches, else trained and stored."""
     job = keyed(cfg, base_experiment(cfg, seed, n_train), dataset.content_hash())
-    key, where = settings_key(cfg, job.key), folder(paths) / f"seed{seed}"
+    key, where = settings_key(cfg, job.key, ks), folder(paths) / f"seed{seed}"
     stored = where / "branches.json"
     if stored.is_file():
         found = json.loads(stored.read_text())
@@ -105,7 +122,7 @@ def _seed(cfg: Config, paths: Paths, dataset: data.Dataset, seed: int, n_train: 
             return list(found["points"])
     shutil.rmtree(where, ignore_errors=True)  # another key's checkpoints: start over
     where.mkdir(parents=True)
-    epochs, examples = job.exp.epochs, branch_examples(cfg, job.exp.epochs, n_train)
+    epochs, examples = job.exp.epochs, branch_examples(ks, cfg, job.exp.epochs, n_train)
     points = []
     for epoch in branch_epochs(cfg.sweep.local_cbs_points, epochs):
         with session(job.cfg.train) as strategy:
@@ -114,11 +131,11 @@ def _seed(cfg: Config, paths: Paths, dataset: data.Dataset, seed: int, n_train: 
         shutil.copyfile(where / "train.pt", kept)
         saved = torch.load(kept, map_location="cpu", weights_only=True)
         row, (exact, estimate) = trained.history[-1], _noise(cfg, dataset, saved)
-        losses = [branch_loss(job.cfg, dataset, saved, k, examples) for k in cfg.sweep.local_cbs_multipliers]
+        losses = [branch_loss(job.cfg, dataset, saved, k, examples) for k in ks]
         points.append({"epoch": epoch, "fraction": epoch / epochs, "examples": int(saved["state"]["examples"]),
                        "start": float(row["val_loss"]), "losses": losses,
                        "b_simple_exact": exact, "b_simple_estimate": estimate})  # fmt: skip
-        read = zip(cfg.sweep.local_cbs_multipliers, losses, strict=True)
+        read = zip(ks, losses, strict=True)
         log.info("local CBS: seed %d, epoch %d: val loss %.4f -> %s", seed, epoch, row["val_loss"],
                  ", ".join(f"{k}x {v:.4f}" for k, v in read))  # fmt: skip
     atomic.write_json(stored, {"key": key, "examples_per_branch": examples, "points": points})

@@ -135,7 +135,7 @@ def adaptive_plan(cfg: Config, n_train: int, dataset: data.Dataset | None = None
     low, high = min(sc.batch_sizes), max(sc.batch_sizes)
     if sc.memory_budget_mb is not None and dataset is not None:
         shape = (dataset.input_shape, dataset.n_classes, dataset.vocab)
-        fits = [b for b in sorted(sc.batch_sizes) if _step_mib(cfg, b, n_train, shape) <= sc.memory_budget_mb]
+        fits = [b for b in sorted(sc.batch_sizes) if step_mib(cfg, b, n_train, shape) <= sc.memory_budget_mb]
         high = max(fits, default=low)
     lr = scaled_lr(cfg.train.lr, cfg.train.batch_size, low, sc.lr_scaling)
     every = max(1, steps_per_epoch(n_train, high) // sc.evals_per_epoch)
@@ -156,7 +156,7 @@ def with_step_time(experiments: list[Experiment], clock: Table | None, cfg: Conf
     return [dataclasses.replace(e, step_time=tuple(clock.step_time())) if e.adaptive else e for e in experiments]
 
 
-def _step_mib(cfg: Config, batch: int, n_train: int, shape: tuple[tuple[int, ...], int, int]) -> float:
+def step_mib(cfg: Config, batch: int, n_train: int, shape: tuple[tuple[int, ...], int, int]) -> float:
     """The step memory the study reports for `batch` (probes.step_memory, measured once per batch)."""
     lr = scaled_lr(cfg.train.lr, cfg.train.batch_size, batch, cfg.sweep.lr_scaling)
     exp = Experiment(batch, 0, lr, 1, gns_every=steps_per_epoch(n_train, batch))

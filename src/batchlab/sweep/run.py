@@ -192,7 +192,7 @@ def local_points(cfg: Config, paths: Paths, dataset: data.Dataset) -> list[local
         return []
     threads.use_threads(threads.sweep_threads(cfg, data.shape(paths.data)))  # as the experiments trained
     raw = branches.run(cfg, paths, dataset)
-    return local_cbs.points_of(raw, cfg.sweep.local_cbs_multipliers, cfg.sweep.local_cbs_tolerance)
+    return local_cbs.points_of(raw, cfg.sweep.local_cbs_tolerance)
 
 
 TO_TARGET = ("steps_to_target", "examples_to_target", "seconds_to_target")  # logged on each child as summary.*
