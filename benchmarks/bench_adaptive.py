@@ -1,11 +1,15 @@
 """sweep.adaptive on the default study, the CNN example and the transformer example (docs/own-model.md),
-under each rule (train.adapt_rule: time, statistical): the adaptive row's seconds to the target
+under each rule (train.adapt_rule: time, statistical, and schedule: the local CBS(t) that
+sweep.local_cbs measures, as a batch warmup): the adaptive row's seconds to the target
 against the fastest fixed batch size, its test F1 against the best-F1 one and its optimizer steps
 against that one's, each paired by seed with the study's own tests (study/adaptive.py, Holm over
 every comparison). The goals (issue #42): not measurably slower than the fastest fixed batch, not
 measurably worse in F1 than the best, at least 40% fewer steps than the best-F1 batch size. Seconds
 are on the study's clock (the throughput table, timed side by side; an adaptive run's include each
-probe it took), so they compare within a study whatever the load."""
+probe it took), so they compare within a study whatever the load. The rules of a study share one
+folder: the first trains the fixed rows, the next reuse them and train their adaptive row only
+(and, for schedule, the branches), so "wall" is the study's for the first rule and the added
+cost for the others."""
 
 from __future__ import annotations
 
@@ -32,13 +36,14 @@ STUDIES: dict[str, dict[str, Any]] = {
 # takes ~15 min a rule here: 922 s at load 0.4 on 2026-12-05); BATCHLAB_BENCH_RULES=time: the rules
 CHOSEN = os.environ.get("BATCHLAB_BENCH_STUDIES", "").split(",")  # unset: [""], which every name starts with
 RUN = {k: v for k, v in STUDIES.items() if any(k.startswith(c) for c in CHOSEN)}
-RULES = tuple(os.environ.get("BATCHLAB_BENCH_RULES", "time,statistical").split(","))
+# schedule: the local CBS(t) measured by sweep.local_cbs as a batch warmup (issue #44)
+RULES = tuple(os.environ.get("BATCHLAB_BENCH_RULES", "time,statistical,schedule").split(","))
 
 
 def _config(overrides: dict[str, Any], rule: str) -> Config:
     base = load_config(REPO / "params.yaml")
     sections = {}
-    merged = {**overrides, "sweep": {"adaptive": True}, "tracking": {"enabled": False}}
+    merged = {**overrides, "sweep": {"adaptive": True, "local_cbs": rule == "schedule"}, "tracking": {"enabled": False}}
     merged["train"] = {**overrides.get("train", {}), "adapt_rule": rule}
     for section, values in merged.items():
         sections[section] = getattr(base, section).model_copy(update=values)
@@ -71,15 +76,17 @@ def main() -> dict[str, Any]:
     raw: dict[str, Any] = {}
     today = time.strftime("%Y-%m-%d")
     for name, overrides in RUN.items():
-        for rule in RULES:
-            progress(f"adaptive: {name}, {rule} rule")
-            load = os.getloadavg()[0]
-            with tempfile.TemporaryDirectory() as tmp:
+        # one folder a study: the fixed rows (keyed without the adaptive rule's settings) and the clock
+        # are measured once, so every rule's adaptive row is compared with the same ones, side by side
+        with tempfile.TemporaryDirectory() as tmp:
+            for rule in RULES:
+                progress(f"adaptive: {name}, {rule} rule")
+                load = os.getloadavg()[0]
                 study, wall = _study(_config(overrides, rule), Path(tmp))
-            row, figures = _row(study)
-            table.add(name, rule, *row[:-1], f"{load:.2f}", f"{wall:.0f}", today)
-            progress(f"adaptive: {name}, {rule}: " + " | ".join(row[:-1]))  # a cut-short run keeps its rows
-            raw[f"{name} / {rule}"] = {**figures, "load": load, "wall_s": wall, "measured": today}
+                row, figures = _row(study)
+                table.add(name, rule, *row[:-1], f"{load:.2f}", f"{wall:.0f}", today)
+                progress(f"adaptive: {name}, {rule}: " + " | ".join(row[:-1]))  # a cut-short run keeps its rows
+                raw[f"{name} / {rule}"] = {**figures, "load": load, "wall_s": wall, "measured": today}
     _keep_earlier(table, raw)
     tables = [table.as_dict()]
     print(markdown(tables))

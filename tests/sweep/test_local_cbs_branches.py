@@ -12,7 +12,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from batchlab import stages
+from batchlab import atomic, stages
 from batchlab.config import ConfigError, parse_config
 from batchlab.data import Dataset, Split
 from batchlab.paths import Paths
@@ -74,9 +74,9 @@ def test_a_sweep_with_local_cbs_reports_stores_and_reuses_its_branches(
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     cfg = tiny_config(
         tracking={"enabled": True, "experiment": "local-cbs", "registered_model": "", "tracking_uri": uri},
-        train={"epochs": 4},
+        train={"epochs": 4, "adapt_rule": "schedule"},
         sweep={"epochs": 4, "seeds": [0, 1, 2], "local_cbs": True, "local_cbs_multipliers": [1, 2, 4],
-               "local_cbs_points": [0.25, 0.5]},
+               "local_cbs_points": [0.25, 0.5], "adaptive": True},
     )  # fmt: skip
     paths = Paths(workdir)
     stages.generate(cfg, paths)
@@ -89,6 +89,13 @@ def test_a_sweep_with_local_cbs_reports_stores_and_reuses_its_branches(
     text = (folder / "summary.md").read_text()
     assert "## The local critical batch size through training" in text
     assert local_cbs.section(points, 0.1, None).splitlines()[6] in text  # the first point's row, as computed
+    warmup = local_cbs.schedule(points)  # the adaptive row's schedule rule follows CBS(t), measured first
+    assert f"`train.adapt_schedule: [{', '.join(f'[{s:g}, {b}]' for s, b in warmup)}]`" in text
+    for seed in (0, 1, 2):  # each epoch's batch: the largest doubling of 16 up to the schedule's there (cap 64)
+        history = atomic.read_csv(workdir / f"sweep/experiments/adaptive-seed{seed}/reports/history.csv")
+        wanted = [max(b for b in (16, 32, 64) if b <= max([16] + [b for s, b in warmup if s <= i / 4]))
+                  for i in range(4)]  # fmt: skip
+        assert [int(float(h["batch_size"])) for h in history] == wanted
     metrics = json.loads((folder / "sweep.json").read_text())
     assert metrics["local_cbs.p25.cbs"] == points[0].result.multiplier * 32 == summary["local_cbs.p25.cbs"]
     rows = (folder / "local_cbs.csv").read_text().splitlines()
@@ -147,3 +154,15 @@ def test_multipliers_whose_step_passes_the_memory_budget_are_not_branched(tiny_d
     tight = tiny_config(sweep={**grid, "memory_budget_mb": mib[2] / 2})
     with pytest.raises(ConfigError, match=r"memory_budget_mb .* fits no branch batch above train.batch_size"):
         branches.multipliers(tight, tiny_dataset)
+
+
+def test_the_schedule_rule_in_a_sweep_needs_the_local_cbs_or_a_schedule(tiny_dataset: Dataset) -> None:
+    cfg = tiny_config(train={"adapt_rule": "schedule"}, sweep={"adaptive": True})
+    experiments = plan.plan(cfg, tiny_dataset.train.y.shape[0], tiny_dataset)
+    with pytest.raises(ConfigError, match=r"^sweep.adaptive with train.adapt_rule schedule .* set sweep.local_cbs"):
+        plan.needs_schedule(experiments, cfg)
+    given = tiny_config(train={"adapt_rule": "schedule", "adapt_schedule": [[0.5, 64]]}, sweep={"adaptive": True})
+    assert not plan.needs_schedule(experiments, given)  # the user's own schedule: no branching needed
+    assert plan.experiment_config(given, experiments[-1]).train.adapt_schedule == [(0.5, 64)]
+    with pytest.raises(ConfigError, match=r"^sweep.local_cbs measured no point"):
+        plan.with_schedule(experiments, [])

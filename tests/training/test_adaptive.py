@@ -290,7 +290,7 @@ def test_the_studys_adaptive_cap_is_the_largest_batch_within_the_memory_budget(t
     cfg = tiny_config(sweep={"batch_sizes": [8, 32, 128], "adaptive": True})
     n_train = tiny_dataset.train.y.shape[0]
     shape = (tiny_dataset.input_shape, tiny_dataset.n_classes, tiny_dataset.vocab)
-    mib = {b: plan._step_mib(cfg, b, n_train, shape) for b in (8, 32, 128)}
+    mib = {b: plan.step_mib(cfg, b, n_train, shape) for b in (8, 32, 128)}
     assert mib[8] < mib[32] < mib[128]
     for budget, cap in (((mib[32] + mib[128]) / 2, 32), (mib[128] * 2, 128), (mib[8] / 2, 8)):
         budgeted = tiny_config(sweep={"batch_sizes": [8, 32, 128], "adaptive": True, "memory_budget_mb": budget})

@@ -120,8 +120,12 @@ class TrainConfig(Section):
     adaptive_batch: bool = Field(False, description="grow the batch by integer factors while training as the "
         "measured noise scale rises (docs/adaptive.md); train.batch_size starts it")  # fmt: skip
     max_batch_size: PositiveInt | None = Field(None, description="adaptive_batch: the cap (null: the train split)")
-    adapt_rule: Literal["time", "statistical"] = Field("time", description="adaptive_batch: time = the batch "
-        "that reaches a loss soonest, S(B)·t(B) on the measured step time; statistical: steps + examples")  # fmt: skip
+    adapt_rule: Literal["time", "statistical", "schedule"] = Field("time", description="adaptive_batch: time = "
+        "the batch that reaches a loss soonest, S(B)·t(B) on the measured step time; statistical: steps + "
+        "examples; schedule: train.adapt_schedule (the sweep's measured local CBS(t))")  # fmt: skip
+    adapt_schedule: list[tuple[Annotated[float, Field(ge=0, lt=1)], PositiveInt]] | None = Field(None,
+        description="adaptive_batch, schedule rule: [[share of the run's examples, batch], ...]: from each share "
+        "on, the largest batch reachable by doubling up to that one (docs/local-cbs.md)")  # fmt: skip
     adapt_every_examples: PositiveInt | None = Field(
         None, description="adaptive_batch: decide every this many examples seen (null: one epoch of the train split)"
     )
@@ -161,8 +165,13 @@ class TrainConfig(Section):
                 f"train.max_batch_size ({self.max_batch_size}) is below train.batch_size ({self.batch_size}), "
                 "where the adaptive batch starts: raise it or leave it null (the train split)"
             )
-        if not self.gns:
+        if not self.gns and self.adapt_rule != "schedule":
             raise ValueError("train.adaptive_batch reads the measured noise scale: set train.gns: true")
+        shares = [share for share, _ in self.adapt_schedule or []]
+        batches = [batch for _, batch in self.adapt_schedule or []]
+        if shares != sorted(set(shares)) or batches != sorted(batches):
+            raise ValueError(f"train.adapt_schedule must rise: shares of the run's examples in [0, 1), increasing, "
+                             f"each with a batch no smaller than the last; got {self.adapt_schedule}")  # fmt: skip
         if self.strategy == "fsdp":
             raise ValueError("train.adaptive_batch needs the noise probe, which FSDP has not: use single or ddp")
         step_time = self.adapt_step_time

@@ -191,6 +191,15 @@ def rows(points: list[Point]) -> list[dict[str, Any]]:
     return out
 
 
+def schedule(points: list[Point]) -> list[tuple[float, int]]:
+    """CBS(t) as a batch warmup (train.adapt_rule: schedule): from each measured point on, its local
+    CBS estimate, never below an earlier point's (the batch only grows)."""
+    out: list[tuple[float, int]] = []
+    for p in sorted((p for p in points if p.result.measured), key=lambda p: p.fraction):
+        out.append((round(p.fraction, 6), max(p.result.multiplier * p.batch, out[-1][1] if out else 0)))
+    return out
+
+
 def section(points: list[Point], tolerance: float, b_crit: tuple[float, float, float] | None) -> str:
     """The report's section: CBS(t) with its interval beside the exact and estimated noise scale."""
     if not points:
@@ -228,6 +237,9 @@ def section(points: list[Point], tolerance: float, b_crit: tuple[float, float, f
         "",
         _verdict(points, b_crit),
     ]
+    if schedule(points):
+        warmup = ", ".join(f"[{share:g}, {batch}]" for share, batch in schedule(points))
+        lines += ["", f"As a batch warmup (the adaptive batch's schedule rule): `train.adapt_schedule: [{warmup}]`."]
     return "\n".join(lines) + "\n"
 
 

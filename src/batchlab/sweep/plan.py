@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from batchlab import data
-from batchlab.config import Config, ConfigError, parse_config
+from batchlab.config import Config, ConfigError, TrainConfig, parse_config
 from batchlab.paths import Paths
 from batchlab.sweep import probes
 from batchlab.training.optim import scaled_lr, steps_per_epoch
@@ -41,6 +41,8 @@ class Experiment:
     max_batch_size: int | None = None
     # the time rule's step time (a, b, p): the sweep's throughput table's fit and probe (with_step_time)
     step_time: tuple[float, ...] | None = None
+    # the schedule rule's (share, batch): the sweep's local CBS(t) (with_schedule)
+    schedule: tuple[tuple[float, int], ...] | None = None
 
     @property
     def name(self) -> str:
@@ -156,11 +158,36 @@ def with_step_time(experiments: list[Experiment], clock: Table | None, cfg: Conf
     return [dataclasses.replace(e, step_time=tuple(clock.step_time())) if e.adaptive else e for e in experiments]
 
 
+def needs_schedule(experiments: list[Experiment], cfg: Config) -> bool:
+    """sweep.adaptive under train.adapt_rule schedule with no train.adapt_schedule: the sweep's
+    local CBS(t) is its schedule, so sweep.local_cbs must be on."""
+    if not any(e.adaptive for e in experiments) or cfg.train.adapt_rule != "schedule" or cfg.train.adapt_schedule:
+        return False
+    if not cfg.sweep.local_cbs:
+        raise ConfigError("sweep.adaptive with train.adapt_rule schedule takes the measured local CBS(t) as its "
+                          "schedule: set sweep.local_cbs: true, or train.adapt_schedule")  # fmt: skip
+    return True
+
+
+def with_schedule(experiments: list[Experiment], schedule: list[tuple[float, int]]) -> list[Experiment]:
+    """The adaptive experiments given the schedule rule's (share, batch) pairs."""
+    if not schedule:
+        raise ConfigError(
+            "sweep.local_cbs measured no point (the base branch's val loss never fell), so there "
+            "is no schedule for train.adapt_rule schedule: set train.adapt_schedule or another rule"
+        )
+    return [dataclasses.replace(e, schedule=tuple(schedule)) if e.adaptive else e for e in experiments]
+
+
 def step_mib(cfg: Config, batch: int, n_train: int, shape: tuple[tuple[int, ...], int, int]) -> float:
     """The step memory the study reports for `batch` (probes.step_memory, measured once per batch)."""
     lr = scaled_lr(cfg.train.lr, cfg.train.batch_size, batch, cfg.sweep.lr_scaling)
     exp = Experiment(batch, 0, lr, 1, gns_every=steps_per_epoch(n_train, batch))
     return probes.step_memory(experiment_config(cfg, exp), *shape)["step_memory_mib"]
+
+
+# the adaptive rule's keys at their defaults: a fixed row is keyed without them
+ADAPTIVE_DEFAULTS = {k: f.default for k, f in TrainConfig.model_fields.items() if k.startswith(("adapt_", "max_batch"))}
 
 
 def experiment_config(cfg: Config, exp: Experiment) -> Config:
@@ -173,12 +200,17 @@ def experiment_config(cfg: Config, exp: Experiment) -> Config:
         curve_weights=exp.curve_weights,
         gns_every=exp.gns_every,
         adaptive_batch=False,  # a fixed row is fixed, whatever train.adaptive_batch says for `batchlab train`
+        # and keyed without the adaptive rule's settings: a study under another rule reuses it
+        **ADAPTIVE_DEFAULTS,
     )
     if exp.adaptive:  # its lr follows the sweep's rule, its step time the sweep's clock
+        raw["train"].update({k: v for k, v in cfg.train.model_dump().items() if k.startswith("adapt_")})
         rule = cfg.sweep.lr_scaling
         raw["train"].update(adaptive_batch=True, max_batch_size=exp.max_batch_size, adapt_lr_scaling=rule)
         if exp.step_time is not None:
             raw["train"]["adapt_step_time"] = list(exp.step_time)
+        if exp.schedule is not None:
+            raw["train"]["adapt_schedule"] = [list(pair) for pair in exp.schedule]
     return parse_config(raw)
 
 

@@ -33,6 +33,8 @@ def prepare(cfg: Config, paths: Paths) -> Sweep:
     started = time.perf_counter()  # the sweep's wall time counts its clock's block
     dataset = data.load(paths.data)
     experiments = plan.plan(cfg, dataset.train.y.shape[0], dataset)
+    if plan.needs_schedule(experiments, cfg):  # the adaptive row's batch warmup: CBS(t), measured first
+        experiments = plan.with_schedule(experiments, local_cbs.schedule(local_points(cfg, paths, dataset)))
     clock = speeds.table_for(cfg, paths, experiments, dataset)  # the sweep's first step
     experiments = plan.with_step_time(experiments, clock, cfg)
     data_hash = dataset.content_hash()

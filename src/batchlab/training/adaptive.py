@@ -13,6 +13,9 @@ standard error, and chooses by train.adapt_rule:
   to (the current one times 2^k, up to the cap).
 - `statistical`: weighing a step against an example equally, S/S_min + E/E_min = 2 + B_noise/B +
   B/B_noise, least at B = B_noise; it doubles while that saves.
+- `schedule`: no reading; from each share of the run's examples in train.adapt_schedule on, the
+  largest batch it can reach up to that share's (Merrill et al. 2025's batch warmup; the sweep's
+  measured local CBS(t) writes one: study/local_cbs.schedule).
 
 Either grows only when the time (or cost) saved exceeds train.adapt_threshold at the reading's
 lower 95% bound (b·exp(-1.645·se/b), one-sided, on the log scale the reading's error has): a
@@ -94,6 +97,8 @@ class BatchSchedule:
     decisions: list[dict[str, Any]] = field(default_factory=list)
     start: int = 0  # the first step's batch (train.batch_size)
     next_step: int = 0  # the step after which the next decision falls
+    plan: tuple[tuple[float, int], ...] = ()  # the schedule rule's (share of `total`, batch)
+    total: int = 0  # the run's examples: the starting batch's epochs
 
     def __post_init__(self) -> None:
         self.start = self.start or self.batch
@@ -106,8 +111,9 @@ class BatchSchedule:
         cap = min(tc.max_batch_size or n_train, n_train)
         divisor = tc.world_size() * tc.grad_accum_steps
         step_time = tuple(tc.adapt_step_time) if tc.adapt_step_time is not None else None
+        plan = tuple((float(s), int(b)) for s, b in tc.adapt_schedule or [])
         return cls(tc.batch_size, cap, tc.adapt_every_examples or n_train, tc.adapt_threshold, divisor,
-                   tc.adapt_lr_scaling, tc.adapt_rule, step_time)  # fmt: skip
+                   tc.adapt_lr_scaling, tc.adapt_rule, step_time, plan=plan, total=tc.epochs * n_train)  # fmt: skip
 
     def period(self) -> int:
         """Steps between decisions at the current batch: train.adapt_every_examples of its rows; under
@@ -148,11 +154,22 @@ class BatchSchedule:
             return self.batch, 0.0
         return larger[0], gain_of_growing(self.batch, b_noise)
 
+    def scheduled(self, examples: int) -> tuple[int, str]:
+        """The schedule rule's batch after `examples`: the largest it can reach up to the plan's there."""
+        share = examples / self.total if self.total else 0.0
+        target = max([b for s, b in self.plan if s <= share], default=self.batch)
+        to = max([b for b in [self.batch, *self._larger()] if b <= target])
+        return to, f"{'grow' if to > self.batch else 'hold'}: train.adapt_schedule's batch at {share:.0%} of " \
+                   f"the run's examples is {target}"  # fmt: skip
+
     def decide(self, step: int, examples: int, b_noise: float, se: float = math.nan) -> float | None:
         """The decision after `step` optimizer steps (`examples` seen) on the reading `b_noise` (its
-        standard error `se`): the factor that rescales the learning rate when the batch grows, else None."""
+        standard error `se`; none under the schedule rule): the factor that rescales the learning
+        rate when the batch grows, else None."""
         low, gain, to, optimum = lower_bound(b_noise, se), math.nan, self.batch, None
-        if not math.isfinite(b_noise) or b_noise <= 0:
+        if self.rule == "schedule":
+            to, reason = self.scheduled(examples)
+        elif not math.isfinite(b_noise) or b_noise <= 0:
             reason = "no noise-scale reading yet"
         elif not self._larger():
             reason = f"hold: {GROWTH * self.batch} is above the cap {self.cap} or does not divide by {self.divisor}"
@@ -225,7 +242,10 @@ class Adapting:
         """The schedule where the checkpoint left it (its lr is the optimizer's own state). Each
         decision reads the noise scale at its own weights (`reading`); between decisions the probe
         keeps to its cost model (train.gns_every, if set, wins), for the run's gns.* figures."""
-        if not noise.enabled or strategy.probe is None:  # no noise probe for this model (said why above)
+        if batches.rule == "schedule" and not batches.plan:
+            raise ConfigError("train.adapt_rule schedule needs train.adapt_schedule: [[share of the run's "
+                              "examples, batch], ...] (a sweep with sweep.local_cbs writes one)")  # fmt: skip
+        if batches.rule != "schedule" and (not noise.enabled or strategy.probe is None):  # said why above
             raise ConfigError("train.adaptive_batch reads the noise scale, which is not measured for this model "
                               "(the line above says why): set train.adaptive_batch: false")  # fmt: skip
         if batches.rule == "time" and batches.step_time is None:
@@ -233,7 +253,7 @@ class Adapting:
                               "it starts; set [a, b] or train.adapt_rule: statistical")  # fmt: skip
         batches.load_state_dict(state.batch_schedule)
         adapting = cls(batches, noise, tracker, strategy)
-        if not state.steps and batches.rule == "time":  # the starting batch: the rule's at the first weights
+        if not state.steps and batches.rule != "statistical":  # the starting batch: the rule's at the start
             adapting.decide(0, 0, trainee)
         if adapting.is_main and not state.steps:
             tracker.log_epoch(adapting.figures(trainee), step=0)
@@ -266,7 +286,8 @@ class Adapting:
         rescaled, and the noise scale's open windows start over (their steps' norms were another
         batch's)."""
         before = self.batches.batch
-        factor = self.batches.decide(step, examples, *self.reading(step))
+        reading = self.reading(step) if self.batches.rule != "schedule" else (math.nan, math.nan)
+        factor = self.batches.decide(step, examples, *reading)
         if factor is not None:
             trainee.schedule.rescale(factor, self.batches.batch)
             self.noise.restart_windows()
