@@ -68,6 +68,12 @@ def batches_fit(cfg: Config, n_train: int) -> None:
         if cfg.train.strategy != "single":
             raise ConfigError(f"sweep.local_cbs branches on one process; train.strategy is {cfg.train.strategy}: set "
                               "train.strategy: single for the study, or sweep.local_cbs: false")  # fmt: skip
+        if cfg.train.precision == "fp16":
+            raise ConfigError("sweep.local_cbs branches without fp16's grad scaler: set train.precision bf16 or "
+                              "fp32 for the study, or sweep.local_cbs: false")  # fmt: skip
+        if (cfg.sweep.epochs or cfg.train.epochs) < 2:
+            raise ConfigError("sweep.local_cbs branches at an epoch's end inside the run: it needs sweep.epochs "
+                              "(or train.epochs) of at least 2")  # fmt: skip
         base, multipliers = cfg.train.batch_size, cfg.sweep.local_cbs_multipliers
         too_big = [k for k in multipliers if k * base > n_train]
         if too_big:

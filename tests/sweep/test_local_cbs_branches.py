@@ -142,6 +142,20 @@ def test_a_branch_larger_than_the_train_split_is_refused_naming_the_key(workdir:
         run_sweep(cfg, Paths(workdir))
 
 
+@pytest.mark.parametrize(
+    ("params", "says"),
+    [
+        ({"sweep": {"epochs": 1}}, r"^sweep.local_cbs branches at an epoch's end inside the run: it needs sweep"),
+        ({"train": {"precision": "fp16"}}, r"^sweep.local_cbs branches without fp16's grad scaler: set train"),
+    ],
+)
+def test_a_study_the_branches_cannot_measure_is_refused_in_one_line(workdir: Path, params: dict, says: str) -> None:
+    cfg = tiny_config(**merge({"sweep": {"local_cbs": True, "local_cbs_multipliers": [1, 2]}}, params))
+    stages.generate(cfg, Paths(workdir))
+    with pytest.raises(ConfigError, match=says):
+        run_sweep(cfg, Paths(workdir))
+
+
 def test_multipliers_whose_step_passes_the_memory_budget_are_not_branched(tiny_dataset: Dataset) -> None:
     shape = (tiny_dataset.input_shape, tiny_dataset.n_classes, tiny_dataset.vocab)
     cfg = tiny_config(sweep={"local_cbs": True, "local_cbs_multipliers": [1, 2, 4, 8]})

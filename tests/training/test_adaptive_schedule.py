@@ -36,6 +36,16 @@ def test_each_decision_takes_the_largest_reachable_batch_up_to_the_plans() -> No
     assert "adapt_schedule's batch at 75% of the run's examples is 1000" in schedule.decisions[7]["reason"]
 
 
+def test_a_schedule_below_the_batch_holds_it_and_a_rounded_share_is_not_missed() -> None:
+    """A run that starts above the plan's batch holds (the batch never shrinks); a share kept to six
+    places (2/3 -> 0.666667) applies at the epoch's end it stands for."""
+    above = BatchSchedule(64, 512, 100, 0.05, 1, "sqrt", "schedule", plan=((0.0, 16), (0.5, 32)), total=900)
+    assert above.decide(1, 0, math.nan) is None and above.decide(8, 500, math.nan) is None and above.batch == 64
+    rounded = BatchSchedule(16, 512, 100, 0.05, 1, "sqrt", "schedule", plan=((round(2 / 3, 6), 64),), total=300)
+    rounded.decide(13, 200, math.nan)
+    assert rounded.batch == 64
+
+
 def test_a_training_follows_its_schedule_without_the_noise_probe(tiny_dataset: Dataset) -> None:
     """train.gns off: the schedule rule reads nothing. Decisions fall at each epoch's end; the batch
     of each epoch is the plan's at the examples seen before it."""

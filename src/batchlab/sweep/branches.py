@@ -123,6 +123,8 @@ def _seed(
     shutil.rmtree(where, ignore_errors=True)  # another key's checkpoints: start over
     where.mkdir(parents=True)
     epochs, examples = job.exp.epochs, branch_examples(ks, cfg, job.exp.epochs, n_train)
+    log.info("local CBS: seed %d, each branch trains %d examples (%.1f%% of the run: whole batches of every "
+             "multiplier)", seed, examples, 100 * examples / (epochs * n_train))  # fmt: skip
     points = []
     for epoch in branch_epochs(cfg.sweep.local_cbs_points, epochs):
         with session(job.cfg.train) as strategy:

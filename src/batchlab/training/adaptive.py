@@ -157,8 +157,8 @@ class BatchSchedule:
     def scheduled(self, examples: int) -> tuple[int, str]:
         """The schedule rule's batch after `examples`: the largest it can reach up to the plan's there."""
         share = examples / self.total if self.total else 0.0
-        target = max([b for s, b in self.plan if s <= share], default=self.batch)
-        to = max([b for b in [self.batch, *self._larger()] if b <= target])
+        target = max([b for s, b in self.plan if s <= share + 1e-6], default=self.batch)  # shares kept to 6 places
+        to = max([b for b in self._larger() if b <= target], default=self.batch)  # never below the batch now
         return to, f"{'grow' if to > self.batch else 'hold'}: train.adapt_schedule's batch at {share:.0%} of " \
                    f"the run's examples is {target}"  # fmt: skip
 
