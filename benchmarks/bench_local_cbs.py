@@ -20,7 +20,7 @@ from batchlab import stages
 from batchlab.config import Config, load_config
 from batchlab.paths import Paths
 from batchlab.sweep.run import run_sweep
-from common import REPO, Table, markdown, progress, timed, working_dir
+from common import REPO, Table, markdown, progress, recorded, timed, working_dir
 
 STUDIES: dict[str, dict[str, Any]] = {
     "default (MLP, synthetic)": {},
@@ -71,8 +71,12 @@ def main() -> dict[str, Any]:
         shares = sorted({k.split(".")[1] for k in figures if k.startswith("local_cbs.p")}, key=lambda s: int(s[1:]))
         for share in shares:
             f = {k.split(".", 2)[2]: v for k, v in figures.items() if k.startswith(f"local_cbs.{share}.")}
-            ratio = f"{_cell(f, 'ratio_to_exact', 2)} ({_cell(f, 'ratio_low', 2)}–{_cell(f, 'ratio_high', 2)})"
+            # sweep.json holds finite figures only: a low end without a high one is unbounded
+            high = _cell(f, "ratio_high", 2) if "ratio_high" in f or "ratio_low" not in f else "∞"
+            ratio = f"{_cell(f, 'ratio_to_exact', 2)} ({_cell(f, 'ratio_low', 2)}–{high})"
             cbs = f"{_cell(f, 'cbs')} ({_cell(f, 'cbs_low')}–{_cell(f, 'cbs_high')})"
+            if "cbs" not in f:  # the base branch made no progress there: no tolerance, nothing to test
+                cbs = ratio = "not measured (the base branch's val loss did not fall)"
             points.add(name, f"{share[1:]}%", _cell(f, "epoch"), cbs, _cell(f, "b_simple_exact"),
                        _cell(f, "b_simple_estimate"), ratio)  # fmt: skip
         crit = f"{_cell(figures, 'b_crit')} ({_cell(figures, 'b_crit_ci95_low')}–{_cell(figures, 'b_crit_ci95_high')})"
@@ -82,10 +86,24 @@ def main() -> dict[str, Any]:
         progress(f"local_cbs: {name}: branches {branch_wall:.0f} s against the study's {study_wall:.0f} s")
         raw[name] = {"figures": figures, "study_wall_s": study_wall, "branches_wall_s": branch_wall, "load": load,
                      "measured": today}  # fmt: skip
+    _keep_earlier([points, totals], raw)
     tables = [points.as_dict(), totals.as_dict()]
     print(markdown(tables))
     print(json.dumps(raw, indent=1, default=str)[:2000])
     return {"tables": tables, "studies": raw}
+
+
+def _keep_earlier(tables: list[Table], raw: dict[str, Any]) -> None:
+    """A run of some studies (BATCHLAB_BENCH_STUDIES) keeps the others' earlier rows from
+    benchmarks/results.json, each with the date it was measured."""
+    earlier = recorded().get("local_cbs")
+    if not earlier:
+        return
+    for table, old in zip(tables, earlier["tables"], strict=True):
+        table.rows[:0] = [cells for cells in old["rows"] if cells[0] not in raw]
+        order = {name: i for i, name in enumerate(STUDIES)}
+        table.rows.sort(key=lambda r: order.get(r[0], len(order)))  # stable: a study's points keep their order
+    raw.update({k: v for k, v in earlier["studies"].items() if k not in raw})
 
 
 if __name__ == "__main__":
