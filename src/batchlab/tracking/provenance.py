@@ -14,8 +14,9 @@ def git_tags() -> dict[str, str]:
     (`batchlab reproduce` rebuilds only a clean run: its commit is all the code it was made from; its
     params are recorded, so `dvc exp run -S` and an edited params.yaml leave a run clean)."""
 
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=10).stdout
+    def git(*args: str) -> str:  # read only: `git status` must not refresh the user's index (GIT_OPTIONAL_LOCKS)
+        env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=10, env=env).stdout
 
     try:
         commit = git("rev-parse", "HEAD").strip()
