@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -65,6 +66,38 @@ def test_without_gradient_noise_the_lr_rule_sets_the_local_cbs(workdir: Path, ru
     r = point.result
     assert point.epoch == 2 and r.measured and (r.multiplier, r.low, r.high) == expected, r
     assert abs(point.b_simple_exact) < 1e-5  # no noise indeed (float rounding only)
+
+
+def test_an_interrupted_seed_resumes_at_its_first_unfinished_point(
+    workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopped in seed 1's second point: a rerun trains none of the finished points' branches again
+    and gives every figure an unbroken run gives."""
+    cfg = tiny_config(
+        train={"epochs": 4},
+        sweep={"epochs": 4, "seeds": [0, 1], "local_cbs": True, "local_cbs_points": [0.25, 0.5],
+               "local_cbs_multipliers": [1, 2]},
+    )  # fmt: skip
+    dataset = _noiseless(128)
+    unbroken = branches.run(cfg, Paths(tmp_path / "unbroken"), dataset)
+    calls: list[int] = []
+
+    def counted(*args: Any) -> float:
+        calls.append(int(args[3]))
+        if stop_at is not None and len(calls) == stop_at:
+            raise KeyboardInterrupt
+        return branch_loss(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(branches, "branch_loss", counted)
+    stop_at: int | None = 2 * 2 + 2 + 1  # seed 0's two points, seed 1's first, then seed 1's second starts
+    with pytest.raises(KeyboardInterrupt):
+        branches.run(cfg, Paths(workdir), dataset)
+    stored = json.loads((workdir / "sweep/local_cbs/seed1/branches.json").read_text())
+    assert [p["epoch"] for p in stored["points"]] == [1]
+    calls.clear()
+    stop_at = None
+    assert branches.run(cfg, Paths(workdir), dataset) == unbroken
+    assert calls == [1, 2]  # seed 1's second point only
 
 
 @pytest.mark.integration
@@ -180,3 +213,21 @@ def test_the_schedule_rule_in_a_sweep_needs_the_local_cbs_or_a_schedule(tiny_dat
     assert plan.experiment_config(given, experiments[-1]).train.adapt_schedule == [(0.5, 64)]
     with pytest.raises(ConfigError, match=r"^sweep.local_cbs measured no point"):
         plan.with_schedule(experiments, [])
+
+
+def test_the_adaptive_row_is_keyed_without_the_settings_its_rule_does_not_read(tiny_dataset: Dataset) -> None:
+    """A train.adapt_schedule left in params under the time rule (or a step time under the schedule
+    rule) does not change the adaptive row's key: no retrain for a setting it ignores."""
+    n, data_hash = tiny_dataset.train.y.shape[0], tiny_dataset.content_hash()
+    for rule, ignored, read in [("time", {"adapt_schedule": [[0.5, 64]]}, {"adapt_step_time": [1e-3, 1e-5]}),
+                                ("schedule", {"adapt_step_time": [1e-3, 1e-5]}, {"adapt_schedule": [[0.5, 64]]}),
+                                ("statistical", {"adapt_schedule": [[0.5, 64]], "adapt_step_time": [1e-3, 1e-5]},
+                                 {"adapt_threshold": 0.2})]:  # fmt: skip
+        base = {"adapt_rule": rule, "adapt_schedule": [[0.25, 32]]} if rule == "schedule" else {"adapt_rule": rule}
+        keys = []
+        for extra in ({}, ignored, read):
+            cfg = tiny_config(train={**base, **extra}, sweep={"adaptive": True})
+            adaptive = plan.plan(cfg, n, tiny_dataset)[-1]
+            assert adaptive.adaptive
+            keys.append(plan.keyed(cfg, adaptive, data_hash).key)
+        assert keys[0] == keys[1] != keys[2], rule

@@ -237,8 +237,9 @@ def section(points: list[Point], tolerance: float, b_crit: tuple[float, float, f
         "",
         _verdict(points, b_crit),
     ]
-    if schedule(points):
-        warmup = ", ".join(f"[{share:g}, {batch}]" for share, batch in schedule(points))
+    warmup_plan = schedule(points)
+    if warmup_plan:
+        warmup = ", ".join(f"[{share:g}, {batch}]" for share, batch in warmup_plan)
         lines += ["", f"As a batch warmup (the adaptive batch's schedule rule): `train.adapt_schedule: [{warmup}]`."]
     return "\n".join(lines) + "\n"
 

@@ -4,8 +4,9 @@ multiplier (training/branch.py), for every seed of the sweep; study/local_cbs.py
 The run is the sweep's own experiment at train.batch_size (the same config, so the same weights
 at every epoch), trained here up to each point with its checkpoint kept there
 (sweep/local_cbs/seed<s>/epoch-<e>.pt, the resume format). Each seed's branches are stored with a
-key (the experiment's and the branching settings'): a rerun recomputes nothing, an edit of the
-params, data or code recomputes them.
+key (the experiment's and the branching settings'), point by point: a rerun recomputes nothing, an
+interrupted one resumes at the first unfinished point, an edit of the params, data or code
+recomputes them.
 """
 
 from __future__ import annotations
@@ -112,22 +113,22 @@ def _mean(values: list[float]) -> float:
 def _seed(
     cfg: Config, paths: Paths, dataset: data.Dataset, seed: int, n_train: int, ks: list[int]
 ) -> list[dict[str, Any]]:
-    """One seed's points, from its stored file when its key matches, else trained and stored."""
+    """One seed's points: those its stored file holds under the same key, the rest trained, each
+    stored as it finishes (an interrupted seed resumes at its first unfinished point, its run from
+    the last epoch checkpointed)."""
     job = keyed(cfg, base_experiment(cfg, seed, n_train), dataset.content_hash())
     key, where = settings_key(cfg, job.key, ks), folder(paths) / f"seed{seed}"
-    stored = where / "branches.json"
-    if stored.is_file():
-        found = json.loads(stored.read_text())
-        if found.get("key") == key:
-            return list(found["points"])
-    shutil.rmtree(where, ignore_errors=True)  # another key's checkpoints: start over
-    where.mkdir(parents=True)
     epochs, examples = job.exp.epochs, branch_examples(ks, cfg, job.exp.epochs, n_train)
+    at = branch_epochs(cfg.sweep.local_cbs_points, epochs)
+    points = _stored(where / "branches.json", key, at)
+    if len(points) == len(at):
+        return points
+    where.mkdir(parents=True, exist_ok=True)
     log.info("local CBS: seed %d, each branch trains %d examples (%.1f%% of the run: whole batches of every "
-             "multiplier)", seed, examples, 100 * examples / (epochs * n_train))  # fmt: skip
-    points = []
-    for epoch in branch_epochs(cfg.sweep.local_cbs_points, epochs):
-        with session(job.cfg.train) as strategy:
+             "multiplier)%s", seed, examples, 100 * examples / (epochs * n_train),
+             f"; resuming at epoch {at[len(points)]}" if points else "")  # fmt: skip
+    for epoch in at[len(points) :]:
+        with session(job.cfg.train) as strategy:  # resumes train.pt where an interrupted seed left it
             trained = fit(job.cfg, dataset, strategy, checkpoint=where / "train.pt", until=epoch)
         kept = where / f"epoch-{epoch}.pt"
         shutil.copyfile(where / "train.pt", kept)
@@ -137,11 +138,25 @@ def _seed(
         points.append({"epoch": epoch, "fraction": epoch / epochs, "examples": int(saved["state"]["examples"]),
                        "start": float(row["val_loss"]), "losses": losses,
                        "b_simple_exact": exact, "b_simple_estimate": estimate})  # fmt: skip
+        atomic.write_json(where / "branches.json", {"key": key, "examples_per_branch": examples, "points": points})
         read = zip(ks, losses, strict=True)
         log.info("local CBS: seed %d, epoch %d: val loss %.4f -> %s", seed, epoch, row["val_loss"],
                  ", ".join(f"{k}x {v:.4f}" for k, v in read))  # fmt: skip
-    atomic.write_json(stored, {"key": key, "examples_per_branch": examples, "points": points})
     return points
+
+
+def _stored(file: Path, key: str, epochs: list[int]) -> list[dict[str, Any]]:
+    """The points a seed's file holds for `key`, in order. A file of another key or other epochs
+    empties the folder (its checkpoints are another run's); with no file yet, a first attempt's
+    train.pt stays (fit resumes it only where its fingerprint is this run's)."""
+    if not file.is_file():
+        return []
+    found = json.loads(file.read_text())
+    points = list(found["points"]) if found.get("key") == key else []
+    if points and [p["epoch"] for p in points] == epochs[: len(points)]:
+        return points
+    shutil.rmtree(file.parent, ignore_errors=True)
+    return []
 
 
 def _noise(cfg: Config, dataset: data.Dataset, saved: dict[str, Any]) -> tuple[float, float]:

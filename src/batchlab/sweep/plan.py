@@ -186,6 +186,8 @@ def step_mib(cfg: Config, batch: int, n_train: int, shape: tuple[tuple[int, ...]
     return probes.step_memory(experiment_config(cfg, exp), *shape)["step_memory_mib"]
 
 
+# what each adaptive rule does not read (the statistical rule: both)
+UNREAD = {"time": ("adapt_schedule",), "schedule": ("adapt_step_time",)}
 # the adaptive rule's keys at their defaults: a fixed row is keyed without them
 ADAPTIVE_DEFAULTS = {k: f.default for k, f in TrainConfig.model_fields.items() if k.startswith(("adapt_", "max_batch"))}
 
@@ -205,6 +207,8 @@ def experiment_config(cfg: Config, exp: Experiment) -> Config:
     )
     if exp.adaptive:  # its lr follows the sweep's rule, its step time the sweep's clock
         raw["train"].update({k: v for k, v in cfg.train.model_dump().items() if k.startswith("adapt_")})
+        unread = UNREAD.get(cfg.train.adapt_rule, ("adapt_schedule", "adapt_step_time"))
+        raw["train"].update({k: ADAPTIVE_DEFAULTS[k] for k in unread})  # keyed without what its rule does not read
         rule = cfg.sweep.lr_scaling
         raw["train"].update(adaptive_batch=True, max_batch_size=exp.max_batch_size, adapt_lr_scaling=rule)
         if exp.step_time is not None:

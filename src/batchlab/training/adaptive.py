@@ -17,7 +17,7 @@ standard error, and chooses by train.adapt_rule:
   largest batch it can reach up to that share's (Merrill et al. 2025's batch warmup; the sweep's
   measured local CBS(t) writes one: study/local_cbs.schedule).
 
-Either grows only when the time (or cost) saved exceeds train.adapt_threshold at the reading's
+The first two grow only when the time (or cost) saved exceeds train.adapt_threshold at the reading's
 lower 95% bound (b·exp(-1.645·se/b), one-sided, on the log scale the reading's error has): a
 reading whose interval does not clear the threshold holds the batch. It never shrinks: the noise
 scale rises over training, and a shrink on one low reading would undo a grow. Every decision is a
