@@ -36,6 +36,7 @@ BENCHES = (
     "sweep",
     "adaptive",
     "local_cbs",
+    "local_cbs_width",
     "dask",
     "repro",
     "chaos",
