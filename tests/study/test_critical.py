@@ -57,6 +57,30 @@ def test_auto_target_is_reached_by_every_curve() -> None:
     assert critical.first_reach([10, 20], [0.5, 0.4], 0.3) is None
 
 
+def test_the_crossing_is_read_between_scored_points_whatever_the_scoring_interval() -> None:
+    """A curve 1/s through the target at step 196.25, scored every h steps at several offsets: the
+    first scored point at or below it is late by up to h (first order), the crossing read between
+    points is off by at most the chord's h²/(4s) on this curve (second order: 0.001 steps at h = 1,
+    0.5 at h = 20)."""
+    truth, target = 196.25, 0.2
+
+    def loss(s: float) -> float:
+        return 0.1 + 0.1 * truth / s
+
+    for every, offset in ((1, 1), (10, 10), (10, 7), (20, 20), (20, 3), (50, 50), (50, 30)):
+        steps = list(range(offset, 2000, every))
+        losses = [loss(s) for s in steps]
+        first = critical.first_reach(steps, losses, target)
+        assert first is not None and 0 <= first - truth < every
+        at = steps.index(first)
+        found = critical.crossing(steps, losses, at, target)
+        assert abs(found - truth) <= every**2 / (4 * truth) * 1.05 + 1e-9, (every, offset, found)
+        assert truth <= found <= first  # a convex curve's chord crosses late, never past the point
+        examples = [64 * s for s in steps]  # any axis: the same share of the way
+        assert critical.crossing(examples, losses, at, target) == pytest.approx(64 * found)
+    assert critical.crossing([5, 10], [0.1, 0.05], 0, 0.2) == 5.0  # already there at the first point
+
+
 # the default study's spread: the seed-to-seed coefficient of variation of the steps to the target
 # at batch 16 ... 512 (from its committed table: 810 ± 317, 376 ± 143, 237 ± 15, 130 ± 30, 82 ± 9,
 # 61 ± 20 over 3 seeds), on an exact hyperbola with its fitted S_min and B_crit

@@ -79,9 +79,14 @@ def reach(result: dict[str, Any], target: float) -> dict[str, Any]:
             **result,
             **dict.fromkeys(("steps_to_target", "examples_to_target", "seconds_to_target", "gns_b_simple_at_target")),
         }
-    at = result["curve_steps"].index(step)
+    at, losses = result["curve_steps"].index(step), result["curve_val_loss"]
+    steps = critical.crossing(result["curve_steps"], losses, at, target)
     # an adaptive run's batch changes: its val curve counts the examples (older rows have no column)
-    examples = result["curve_examples"][at] if result.get("curve_examples") else step * result["batch_size"]
+    examples = (
+        critical.crossing(result["curve_examples"], losses, at, target)
+        if result.get("curve_examples")
+        else steps * result["batch_size"]
+    )
     # on the sweep's clock (the throughput table: each epoch's steps and probes, sweep/scoring.py),
     # interpolated within the epoch; an older row's at its median throughput, an adaptive one's at
     # its own epochs' (scoring the val split along the way is not training time)
@@ -90,7 +95,7 @@ def reach(result: dict[str, Any], target: float) -> dict[str, Any]:
     reading, measured = reading_at(result, step)
     return {
         **result,
-        "steps_to_target": step,
+        "steps_to_target": steps,
         "examples_to_target": examples,
         "seconds_to_target": seconds,
         "gns_b_simple_at_target": reading,

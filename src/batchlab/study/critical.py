@@ -42,8 +42,21 @@ def auto_target(curves: Sequence[Sequence[float]], margin: float = TARGET_MARGIN
 
 
 def first_reach(steps: Sequence[int], losses: Sequence[float], target: float) -> int | None:
-    """The first scored step whose val loss is at or below `target`; None if it never is."""
+    """The first scored step whose val loss is at or below `target`; None if it never is (its
+    weights are the ones kept and probed: the readings and exact values at the target are there)."""
     return next((s for s, loss in zip(steps, losses, strict=True) if loss <= target), None)
+
+
+def crossing(xs: Sequence[float], losses: Sequence[float], at: int, target: float) -> float:
+    """Where the val loss crosses `target` on the axis `xs` (steps, examples), `at` the first
+    scored point at or below it: linear between it and the point before (the first point itself
+    when it is already there). The first scored point alone is late by up to one scoring interval,
+    and the rows' intervals differ (an adaptive row is scored as often as the largest batch's), so
+    every row is read at its crossing."""
+    if at == 0:
+        return float(xs[0])
+    share = (losses[at - 1] - target) / (losses[at - 1] - losses[at])  # in [0, 1): above, then at or below
+    return xs[at - 1] + share * (xs[at] - xs[at - 1])
 
 
 @dataclass(frozen=True)
