@@ -53,7 +53,7 @@ class SweepConfig(Section):
         "the base branch every other is compared with)",
     )  # fmt: skip
     local_cbs_fraction: Annotated[float, Field(gt=0, le=1)] = Field(
-        0.05, description="local_cbs: the examples each branch trains, as a fraction of the run's (the same for every "
+        0.2, description="local_cbs: the examples each branch trains, as a fraction of the run's (the same for every "
         "multiplier)",
     )  # fmt: skip
     local_cbs_tolerance: Annotated[float, Field(ge=0, lt=1)] = Field(
