@@ -22,8 +22,9 @@ import yaml
 from mlflow import MlflowClient
 
 from batchlab import stages
-from batchlab.config import parse_config
+from batchlab.config import load_config, parse_config
 from batchlab.paths import Paths
+from batchlab.sweep.run import run_sweep
 from tests.support import (
     REPO,
     TINY,
@@ -140,6 +141,31 @@ def test_dask_sweep_equals_the_local_sweep_with_one_child_run_per_experiment(set
     assert len(ran_in_clone) == 1
     # every result is in the sweep's own folder, where a resume looks for it
     assert len(list((folder / "sweep" / "experiments").glob("*/result.json"))) == 2
+
+
+@pytest.mark.e2e
+def test_local_cbs_branches_run_as_tasks_on_the_workers_and_read_as_the_local_executors(
+    setup: Setup, tmp_path: Path
+) -> None:
+    """sweep.local_cbs on the cluster: each seed's branches are a task run (w2's in its own clone),
+    kept in the sweep's folder, and the report's figures are the local executor's."""
+    branching = {"seeds": [0, 1], "local_cbs": True, "local_cbs_points": [0.5], "local_cbs_multipliers": [1, 2]}
+    folder = _sweep_dir(setup, "branched", **branching)
+    _sweep(folder, setup.env)
+    ran = setup.cluster.log("w1") + setup.cluster.log("w2")
+    assert "local-cbs-seed0" in ran and "local-cbs-seed1" in ran  # task runs on the workers
+    for seed in (0, 1):  # kept where a resume and the report look, wherever it ran
+        assert (folder / f"sweep/local_cbs/seed{seed}/branches.json").is_file()
+    local = tmp_path / "local"
+    shutil.copytree(folder / "data", local / "data")
+    params = yaml.safe_load((folder / "params.yaml").read_text())
+    write_params(local, merge(params, {"sweep": {"executor": "local"}, "tracking": {"enabled": False}}))
+    run_sweep(load_config(local / "params.yaml"), Paths(local))
+    figures = [json.loads((f / "reports/sweep/sweep.json").read_text()) for f in (folder, local)]
+    branched = [{k: v for k, v in f.items() if k.startswith("local_cbs.")} for f in figures]
+    assert branched[0] and branched[0].keys() == branched[1].keys()
+    for key, value in branched[1].items():
+        assert branched[0][key] == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value), key
 
 
 @pytest.mark.e2e

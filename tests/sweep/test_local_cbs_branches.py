@@ -18,8 +18,9 @@ from batchlab.config import ConfigError, parse_config
 from batchlab.data import Dataset, Split
 from batchlab.paths import Paths
 from batchlab.study import local_cbs
-from batchlab.sweep import branches, plan
-from batchlab.sweep.run import run_sweep
+from batchlab.sweep import branches, executors, plan
+from batchlab.sweep.lock import exclusive
+from batchlab.sweep.run import prepare, run_prepared, run_sweep
 from batchlab.training.branch import branch_loss
 from batchlab.training.strategy import session
 from batchlab.training.train import fit
@@ -146,6 +147,36 @@ def test_a_sweep_with_local_cbs_reports_stores_and_reuses_its_branches(
     monkeypatch.setattr(branches, "branch_loss", refuse)
     again = run_sweep(cfg, paths)
     assert again["local_cbs.p25.cbs"] == summary["local_cbs.p25.cbs"]
+
+
+@pytest.mark.integration
+def test_each_seeds_branches_are_a_work_item_run_in_the_lanes(workdir: Path, tmp_path: Path) -> None:
+    """sweep.parallel 2: the executor gets one work item per seed's branches, queued first, and runs
+    them in its lanes' processes; the stored points equal branches trained in this process."""
+    cfg = tiny_config(
+        train={"epochs": 4},
+        sweep={"epochs": 4, "seeds": [0, 1], "parallel": 2, "local_cbs": True, "local_cbs_points": [0.25, 0.5],
+               "local_cbs_multipliers": [1, 2]},
+    )  # fmt: skip
+    paths = Paths(workdir)
+    stages.generate(cfg, paths)
+    given: list[str] = []
+
+    def observed(lane: plan.Lane, work: list[plan.Work]) -> plan.Results:
+        given.extend(item.name for item in work)
+        return executors.run_local(lane, work)
+
+    with exclusive(paths):
+        summary = run_prepared(cfg, paths, executors.Executor("local", observed), prepare(cfg, paths))
+    assert given[:2] == ["local-cbs-seed0", "local-cbs-seed1"] and len(given) > 2
+    here = Paths(tmp_path)
+    stages.generate(cfg, here)
+    in_process = branches.run(cfg, here, stages_dataset(here))
+    in_lanes = branches.run(cfg, paths, stages_dataset(paths))  # read back: nothing trains
+    for a, b in zip(in_lanes, in_process, strict=True):
+        assert a["epoch"] == b["epoch"] and np.allclose(a["losses"], b["losses"], rtol=1e-6, atol=0)
+    points = local_cbs.points_of(in_lanes, cfg.sweep.local_cbs_tolerance)
+    assert summary["local_cbs.p25.cbs"] == points[0].result.multiplier * 32
 
 
 def stages_dataset(paths: Paths) -> Dataset:

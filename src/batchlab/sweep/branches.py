@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from batchlab import atomic, data
 from batchlab.config import Config, ConfigError
 from batchlab.paths import Paths
-from batchlab.sweep.plan import Experiment, keyed, probe_every, step_mib
+from batchlab.sweep.plan import Experiment, Keyed, keyed, probe_every, step_mib
 from batchlab.training.branch import branch_loss
 from batchlab.training.gns_exact import batch_coupled, exact_noise_scale
 from batchlab.training.gns_probes import FullSplitProbe, at_saved_weights
@@ -86,6 +86,36 @@ def multipliers(cfg: Config, dataset: data.Dataset) -> list[int]:
     return fits
 
 
+def unfinished_seeds(cfg: Config, paths: Paths, dataset: data.Dataset) -> list[int]:
+    """The sweep's seeds whose branches are not all stored under their key: the work items the
+    sweep's executor runs beside its experiments (none when sweep.local_cbs is off)."""
+    if not cfg.sweep.local_cbs:
+        return []
+    n_train, ks = int(dataset.train.y.shape[0]), multipliers(cfg, dataset)
+    out = []
+    for seed in cfg.sweep.seeds:
+        _, key, where, at = _placed(cfg, paths, dataset, seed, n_train, ks)
+        stored = where / "branches.json"
+        found = json.loads(stored.read_text()) if stored.is_file() else {}
+        if found.get("key") != key or [p["epoch"] for p in found.get("points", [])] != at:
+            out.append(seed)
+    return out
+
+
+def run_seed(cfg: Config, paths: Paths, seed: int) -> dict[str, Any]:
+    """One seed's branches as a work item of the sweep (groups.train_work, in a lane or on a Dask
+    worker): trained where not stored, and the stored file's content returned (`keep` puts it in
+    the sweep's own folder when the worker's is another)."""
+    dataset = data.load(paths.data)
+    _seed(cfg, paths, dataset, seed, int(dataset.train.y.shape[0]), multipliers(cfg, dataset))
+    return dict(json.loads((folder(paths) / f"seed{seed}" / "branches.json").read_text()))
+
+
+def keep(paths: Paths, seed: int, stored: dict[str, Any]) -> None:
+    """A seed's branches a worker computed, stored in this machine's folder too."""
+    atomic.write_json(folder(paths) / f"seed{seed}" / "branches.json", stored)
+
+
 def run(cfg: Config, paths: Paths, dataset: data.Dataset) -> list[dict[str, Any]]:
     """Every point's branches over the seeds: [{epoch, fraction, examples, batch, multipliers,
     start: [per seed], losses: [per seed][per multiplier], b_simple_exact, b_simple_estimate}]
@@ -116,10 +146,8 @@ def _seed(
     """One seed's points: those its stored file holds under the same key, the rest trained, each
     stored as it finishes (an interrupted seed resumes at its first unfinished point, its run from
     the last epoch checkpointed)."""
-    job = keyed(cfg, base_experiment(cfg, seed, n_train), dataset.content_hash())
-    key, where = settings_key(cfg, job.key, ks), folder(paths) / f"seed{seed}"
+    job, key, where, at = _placed(cfg, paths, dataset, seed, n_train, ks)
     epochs, examples = job.exp.epochs, branch_examples(ks, cfg, job.exp.epochs, n_train)
-    at = branch_epochs(cfg.sweep.local_cbs_points, epochs)
     points = _stored(where / "branches.json", key, at)
     if len(points) == len(at):
         return points
@@ -143,6 +171,15 @@ def _seed(
         log.info("local CBS: seed %d, epoch %d: val loss %.4f -> %s", seed, epoch, row["val_loss"],
                  ", ".join(f"{k}x {v:.4f}" for k, v in read))  # fmt: skip
     return points
+
+
+def _placed(
+    cfg: Config, paths: Paths, dataset: data.Dataset, seed: int, n_train: int, ks: list[int]
+) -> tuple[Keyed, str, Path, list[int]]:
+    """A seed's base run, the key its branches are stored under, their folder and the points' epochs."""
+    job = keyed(cfg, base_experiment(cfg, seed, n_train), dataset.content_hash())
+    at = branch_epochs(cfg.sweep.local_cbs_points, job.exp.epochs)
+    return job, settings_key(cfg, job.key, ks), folder(paths) / f"seed{seed}", at
 
 
 def _stored(file: Path, key: str, epochs: list[int]) -> list[dict[str, Any]]:

@@ -25,7 +25,7 @@ from batchlab import data, tracking
 from batchlab.config import Config
 from batchlab.paths import Paths
 from batchlab.seeds import vectorized
-from batchlab.sweep import experiment, lock
+from batchlab.sweep import branches, experiment, lock
 from batchlab.sweep.experiment import Clock
 from batchlab.sweep.plan import Experiment, Keyed, Lane, Work, keyed
 from batchlab.training import threads, tracked
@@ -72,7 +72,12 @@ def run_work(lane: Lane, work: Work) -> dict[str, Any]:
 
 def train_work(lane: Lane, work: Work) -> dict[str, Any]:
     """Every experiment's result row, by name, each claimed first (lock.claimed): a second copy of
-    the task, run while the first still trains, waits and then finds the rows committed."""
+    the task, run while the first still trains, waits and then finds the rows committed. A seed's
+    local-CBS branches (`work.branch_seed`): their stored points, under the work item's name."""
+    if work.branch_seed is not None:
+        with lock.claimed(lane.paths, [work.name]):
+            threads.use_threads(threads.sweep_threads(lane.cfg, data.shape(lane.paths.data)))  # as the experiments
+            return {work.name: branches.run_seed(lane.cfg, lane.paths, work.branch_seed)}
     with lock.claimed(lane.paths, [exp.name for exp in work.experiments]):
         return _train_claimed(lane, work)
 

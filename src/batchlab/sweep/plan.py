@@ -78,12 +78,16 @@ def folder_of(paths: Paths, exp: Experiment) -> Paths:
 @dataclass(frozen=True)
 class Work:
     """One task of the sweep: an experiment, or the seeds of one batch size and lr multiplier
-    trained together (decided once for the whole sweep: groups.groups)."""
+    trained together (decided once for the whole sweep: groups.groups), or one seed's local-CBS
+    branches (`branch_seed`: sweep/branches.py; no experiment)."""
 
     experiments: tuple[Experiment, ...]
+    branch_seed: int | None = None
 
     @property
     def name(self) -> str:
+        if self.branch_seed is not None:
+            return f"local-cbs-seed{self.branch_seed}"
         return "+".join(exp.name for exp in self.experiments)
 
     def __len__(self) -> int:

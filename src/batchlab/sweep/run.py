@@ -230,11 +230,17 @@ def description(
 
 def run_counted(executor: executors.Executor, lane: plan.Lane, sweep: Sweep) -> dict[str, dict[str, Any]]:
     """The experiments still to do, through `executor`, counted done / total with the time left;
-    grouped here, once, into the work items every executor runs (groups.groups)."""
-    if not sweep.todo:
+    grouped here, once, into the work items every executor runs (groups.groups). With
+    sweep.local_cbs, each seed's branches not yet stored are a work item too, queued first (the
+    longest), so lanes and Dask workers run them beside the experiments, and the report reads them
+    back (under the schedule rule they were measured before the plan: stored already)."""
+    seeds = branches.unfinished_seeds(lane.cfg, lane.paths, data.load(lane.paths.data))
+    if not sweep.todo and not seeds:
         return executor.run(lane, [])
-    work = groups.groups(lane.cfg, sweep.todo, lane.paths)
-    with progress.counting(len(sweep.experiments), len(sweep.experiments) - len(sweep.todo)):
+    work = [plan.Work((), branch_seed=seed) for seed in seeds]
+    work += groups.groups(lane.cfg, sweep.todo, lane.paths) if sweep.todo else []
+    total = len(sweep.experiments) + len(seeds)  # a seed's branches count as one
+    with progress.counting(total, len(sweep.experiments) - len(sweep.todo)):
         return executor.run(lane, work)
 
 
