@@ -86,18 +86,17 @@ def multipliers(cfg: Config, dataset: data.Dataset) -> list[int]:
     return fits
 
 
-def unfinished_seeds(cfg: Config, paths: Paths, dataset: data.Dataset) -> list[int]:
+def unfinished_seeds(cfg: Config, paths: Paths) -> list[int]:
     """The sweep's seeds whose branches are not all stored under their key: the work items the
     sweep's executor runs beside its experiments (none when sweep.local_cbs is off)."""
     if not cfg.sweep.local_cbs:
         return []
+    dataset = data.load(paths.data)
     n_train, ks = int(dataset.train.y.shape[0]), multipliers(cfg, dataset)
     out = []
     for seed in cfg.sweep.seeds:
         _, key, where, at = _placed(cfg, paths, dataset, seed, n_train, ks)
-        stored = where / "branches.json"
-        found = json.loads(stored.read_text()) if stored.is_file() else {}
-        if found.get("key") != key or [p["epoch"] for p in found.get("points", [])] != at:
+        if [p["epoch"] for p in _read(where / "branches.json", key)] != at:
             out.append(seed)
     return out
 
@@ -182,15 +181,18 @@ def _placed(
     return job, settings_key(cfg, job.key, ks), folder(paths) / f"seed{seed}", at
 
 
+def _read(file: Path, key: str) -> list[dict[str, Any]]:
+    """The points a seed's file holds for `key`, in order (none: no file, or another key's)."""
+    found = json.loads(file.read_text()) if file.is_file() else {}
+    return list(found["points"]) if found.get("key") == key else []
+
+
 def _stored(file: Path, key: str, epochs: list[int]) -> list[dict[str, Any]]:
-    """The points a seed's file holds for `key`, in order. A file of another key or other epochs
-    empties the folder (its checkpoints are another run's); with no file yet, a first attempt's
-    train.pt stays (fit resumes it only where its fingerprint is this run's)."""
-    if not file.is_file():
-        return []
-    found = json.loads(file.read_text())
-    points = list(found["points"]) if found.get("key") == key else []
-    if points and [p["epoch"] for p in points] == epochs[: len(points)]:
+    """The points a seed's file holds for `key`, to resume from. A file of another key or other
+    epochs empties the folder (its checkpoints are another run's); with no file yet, a first
+    attempt's train.pt stays (fit resumes it only where its fingerprint is this run's)."""
+    points = _read(file, key)
+    if [p["epoch"] for p in points] == epochs[: len(points)] and (points or not file.is_file()):
         return points
     shutil.rmtree(file.parent, ignore_errors=True)
     return []

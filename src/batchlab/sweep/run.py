@@ -234,7 +234,7 @@ def run_counted(executor: executors.Executor, lane: plan.Lane, sweep: Sweep) -> 
     sweep.local_cbs, each seed's branches not yet stored are a work item too, queued first (the
     longest), so lanes and Dask workers run them beside the experiments, and the report reads them
     back (under the schedule rule they were measured before the plan: stored already)."""
-    seeds = branches.unfinished_seeds(lane.cfg, lane.paths, data.load(lane.paths.data))
+    seeds = branches.unfinished_seeds(lane.cfg, lane.paths)
     if not sweep.todo and not seeds:
         return executor.run(lane, [])
     work = [plan.Work((), branch_seed=seed) for seed in seeds]
