@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bench_local_cbs
 from batchlab import data, stages
 from batchlab.config import Config, load_config
 from batchlab.paths import Paths
@@ -22,10 +23,8 @@ from batchlab.sweep import branches
 from batchlab.training import threads
 from common import REPO, Table, markdown, progress, timed, working_dir
 
-STUDIES: dict[str, dict[str, Any]] = {
-    "default (MLP, synthetic)": {},
-    "CNN on digits_images": {"data": {"source": "digits_images"}, "model": {"name": "cnn"}},
-}
+# bench_local_cbs's studies but the transformer (its branches alone take ~7 min a setting)
+STUDIES = {k: v for k, v in bench_local_cbs.STUDIES.items() if not k.startswith("transformer")}
 # BATCHLAB_BENCH_STUDIES=default: the studies whose names start with these
 CHOSEN = os.environ.get("BATCHLAB_BENCH_STUDIES", "").split(",")
 RUN = {k: v for k, v in STUDIES.items() if any(k.startswith(c) for c in CHOSEN)}

@@ -75,8 +75,7 @@ def train_work(lane: Lane, work: Work) -> dict[str, Any]:
     the task, run while the first still trains, waits and then finds the rows committed. A seed's
     local-CBS branches (`work.branch_seed`): their stored points, under the work item's name."""
     if work.branch_seed is not None:
-        with lock.claimed(lane.paths, [work.name]):
-            threads.use_threads(threads.sweep_threads(lane.cfg, data.shape(lane.paths.data)))  # as the experiments
+        with lock.claimed(lane.paths, [work.name]):  # on the threads every work item here gets (run_work's callers)
             return {work.name: branches.run_seed(lane.cfg, lane.paths, work.branch_seed)}
     with lock.claimed(lane.paths, [exp.name for exp in work.experiments]):
         return _train_claimed(lane, work)
