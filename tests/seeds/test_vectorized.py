@@ -214,7 +214,7 @@ def test_the_groups_probe_in_one_stacked_pass_reads_each_seeds_separate_probe(
     n_train = tiny_dataset.train.y.shape[0]
     assert n_train % gns_probes.PARTS and n_train > 300  # slices of two sizes
     steps = steps_per_epoch(n_train, cfgs[0].train.batch_size)
-    seeds = vectorized._restore(cfgs, tiny_dataset, Strategy(CPU), steps, [Tracker() for _ in cfgs], None)
+    seeds = vectorized.restore(cfgs, tiny_dataset, Strategy(CPU), steps, [Tracker() for _ in cfgs], None)
     for seed in seeds:
         seed.dropout.manual_seed(100 + seed.index)
     group = StackedModels(seeds, Strategy(CPU), split_tensors(tiny_dataset.train, CPU))

@@ -154,8 +154,7 @@ def test_stand_in_masks_drawn_per_seed_are_the_masks_the_model_draws(kind: str) 
 def test_seeds_of_any_module_together_equal_separate_fits(kind: str, probe_often: None) -> None:
     cfgs = _configs(kind)
     dataset = _dataset(cfgs[0])
-    batch = torch.from_numpy(dataset.train.x[:32])
-    assert vectorized.model_trains_apart(cfgs[0], dataset, Strategy(CPU), batch) is None  # the vmap path runs
+    assert vectorized.model_trains_apart(cfgs[0], dataset, Strategy(CPU)) is None  # the vmap path runs
     separate = [fit(cfg, dataset, Strategy(CPU)) for cfg in cfgs]
     together = vectorized.fit_seeds(cfgs, dataset, Strategy(CPU))
     x_val = torch.from_numpy(dataset.val.x)

@@ -147,9 +147,11 @@ def test_dask_sweep_equals_the_local_sweep_with_one_child_run_per_experiment(set
 def test_local_cbs_branches_run_as_tasks_on_the_workers_and_read_as_the_local_executors(
     setup: Setup, tmp_path: Path
 ) -> None:
-    """sweep.local_cbs on the cluster: each seed's branches are a task run (w2's in its own clone),
-    kept in the sweep's folder, and the report's figures are the local executor's."""
-    branching = {"seeds": [0, 1], "local_cbs": True, "local_cbs_points": [0.5], "local_cbs_multipliers": [1, 2]}
+    """sweep.local_cbs on the cluster, seeds apart (sweep.vectorize_seeds false): each seed's
+    branches are a task run (w2's in its own clone), kept in the sweep's folder, and the report's
+    figures are the local executor's."""
+    branching = {"seeds": [0, 1], "local_cbs": True, "local_cbs_points": [0.5], "local_cbs_multipliers": [1, 2],
+                 "vectorize_seeds": False}  # fmt: skip
     folder = _sweep_dir(setup, "branched", **branching)
     _sweep(folder, setup.env)
     ran = setup.cluster.log("w1") + setup.cluster.log("w2")

@@ -17,6 +17,7 @@ from batchlab import atomic, stages
 from batchlab.config import ConfigError, parse_config
 from batchlab.data import Dataset, Split
 from batchlab.paths import Paths
+from batchlab.seeds.branches import branch_losses
 from batchlab.study import local_cbs
 from batchlab.sweep import branches, executors, plan
 from batchlab.sweep.lock import exclusive
@@ -69,36 +70,41 @@ def test_without_gradient_noise_the_lr_rule_sets_the_local_cbs(workdir: Path, ru
     assert abs(point.b_simple_exact) < 1e-5  # no noise indeed (float rounding only)
 
 
+@pytest.mark.parametrize("together", [True, False])
 def test_an_interrupted_seed_resumes_at_its_first_unfinished_point(
-    workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, together: bool
 ) -> None:
-    """Stopped in seed 1's second point: a rerun trains none of the finished points' branches again
-    and gives every figure an unbroken run gives."""
+    """Stopped in the second point (the seeds together: both seeds'; apart: seed 1's): a rerun
+    trains none of the finished points' branches again and gives every figure an unbroken run gives."""
     cfg = tiny_config(
         train={"epochs": 4},
         sweep={"epochs": 4, "seeds": [0, 1], "local_cbs": True, "local_cbs_points": [0.25, 0.5],
-               "local_cbs_multipliers": [1, 2]},
+               "local_cbs_multipliers": [1, 2], "vectorize_seeds": together},
     )  # fmt: skip
     dataset = _noiseless(128)
     unbroken = branches.run(cfg, Paths(tmp_path / "unbroken"), dataset)
     calls: list[int] = []
+    trains: Any = branch_losses if together else branch_loss  # the seeds' branches at once, or a seed's
 
-    def counted(*args: Any) -> float:
+    def counted(*args: Any) -> Any:
         calls.append(int(args[3]))
         if stop_at is not None and len(calls) == stop_at:
             raise KeyboardInterrupt
-        return branch_loss(*args)  # type: ignore[arg-type]
+        return trains(*args)
 
-    monkeypatch.setattr(branches, "branch_loss", counted)
-    stop_at: int | None = 2 * 2 + 2 + 1  # seed 0's two points, seed 1's first, then seed 1's second starts
+    monkeypatch.setattr(branches, trains.__name__, counted)
+    # together: the first point's two multipliers, then the second's first; apart: seed 0's two
+    # points, seed 1's first, then seed 1's second starts
+    stop_at: int | None = 2 + 1 if together else 2 * 2 + 2 + 1
     with pytest.raises(KeyboardInterrupt):
         branches.run(cfg, Paths(workdir), dataset)
-    stored = json.loads((workdir / "sweep/local_cbs/seed1/branches.json").read_text())
-    assert [p["epoch"] for p in stored["points"]] == [1]
+    for seed in (1,) if not together else (0, 1):
+        stored = json.loads((workdir / f"sweep/local_cbs/seed{seed}/branches.json").read_text())
+        assert [p["epoch"] for p in stored["points"]] == [1]
     calls.clear()
     stop_at = None
     assert branches.run(cfg, Paths(workdir), dataset) == unbroken
-    assert calls == [1, 2]  # seed 1's second point only
+    assert calls == [1, 2]  # the second point only (apart: seed 1's)
 
 
 @pytest.mark.integration
@@ -151,8 +157,9 @@ def test_a_sweep_with_local_cbs_reports_stores_and_reuses_its_branches(
 
 @pytest.mark.integration
 def test_each_seeds_branches_are_a_work_item_run_in_the_lanes(workdir: Path, tmp_path: Path) -> None:
-    """sweep.parallel 2: the executor gets one work item per seed's branches, queued first, and runs
-    them in its lanes' processes; the stored points equal branches trained in this process."""
+    """sweep.parallel 2: the executor gets the seeds' branches as one work item (they train
+    together), queued first, and runs it in a lane's process; the stored points equal branches
+    trained in this process."""
     cfg = tiny_config(
         train={"epochs": 4},
         sweep={"epochs": 4, "seeds": [0, 1], "parallel": 2, "local_cbs": True, "local_cbs_points": [0.25, 0.5],
@@ -168,7 +175,7 @@ def test_each_seeds_branches_are_a_work_item_run_in_the_lanes(workdir: Path, tmp
 
     with exclusive(paths):
         summary = run_prepared(cfg, paths, executors.Executor("local", observed), prepare(cfg, paths))
-    assert given[:2] == ["local-cbs-seed0", "local-cbs-seed1"] and len(given) > 2
+    assert given[0] == "local-cbs-seed0+seed1" and not any("local-cbs" in name for name in given[1:])
     here = Paths(tmp_path)
     stages.generate(cfg, here)
     in_process = branches.run(cfg, here, stages_dataset(here))

@@ -8,4 +8,5 @@ a fraction of the cost.
     functional  any other module's: vmap over functional_call, autograd's backward; which cannot
     standins    dropout and attention layers that take each seed's masks as inputs under vmap
     optimizer   the seeds' optimizers over the stacked parameters
+    branches    the seeds' local-CBS branches (sweep.local_cbs) from one point, together
 """

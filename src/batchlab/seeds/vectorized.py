@@ -3,23 +3,20 @@
 The seeds' models are stacked into one set of [S, ...] tensors (group.py) and trained by one
 batched forward and backward per step and one optimizer step (optimizer.py): the MLP's through
 hand-written kernels (stacked.py), any other module's through vmap over functional_call
-(functional.py; a model it cannot take, BatchNorm's for one, trains its seeds one after another
-with `fit`, saying why). Each
-seed keeps everything `fit` gives a separate run: its data order and initial weights
-(train.seed), its dropout masks (its own generator, seeded and drawn as `fit` draws them from
-the global RNG), its gradient norm and non-finite skip, noise scale, val curve, early stopping,
-history, best weights, checkpoint and tracker. In fp32 on the CPU the MLP's results equal
-separate runs within 1e-6 (tests/test_vectorized.py); on the machines here, bit for bit: the same
-kernels in the same order (stacked.py's linear backward, norm and loss are written for it). Other
-modules' equal them within 1e-5 (tests/test_vectorized_generic.py): vmap batches some kernels.
-A seed's checkpoint holds its model, optimizer and schedule as `fit` writes them: either path
-resumes the other's.
+(functional.py; one it cannot take, BatchNorm's for one, trains its seeds one after another with
+`fit`, saying why). Each seed keeps what `fit` gives a separate run: its data order, initial
+weights and dropout masks (its own generator, drawn as `fit` draws from the global RNG), gradient
+norm and non-finite skip, noise scale, val curve, early stopping, history, best weights,
+checkpoint (`fit`'s: either path resumes the other's) and tracker. In fp32 on the CPU the MLP's
+results equal separate runs within 1e-6, here bit for bit (tests/seeds/test_vectorized.py); other
+modules' within 1e-5 (test_vectorized_generic.py: vmap batches some kernels).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,14 +48,7 @@ from batchlab.training.gns import NoiseScale
 from batchlab.training.optim import steps_per_epoch
 from batchlab.training.strategy import Strategy
 from batchlab.training.support import seeds_train_apart
-from batchlab.training.train import (
-    TrainResult,
-    fingerprint,
-    fit,
-    initial_model,
-    new_trainee,
-    split_tensors,
-)
+from batchlab.training.train import TrainResult, fingerprint, fit, initial_model, new_trainee, split_tensors
 from batchlab.validate import batch_fits
 
 log = logging.getLogger(__name__)
@@ -93,8 +83,10 @@ def fit_seeds(
     strategy: Strategy,
     trackers: list[Tracker] | None = None,
     checkpoints: list[Path | None] | None = None,
+    until: int | None = None,
 ) -> list[TrainResult]:
-    """Train the configs of `cfgs` (equal but for train.seed) together; resume each from its checkpoint."""
+    """Train the configs of `cfgs` (equal but for train.seed) together; resume each from its
+    checkpoint. `until`: stop after that many epochs, as `fit` does (sweep.local_cbs's base runs)."""
     same_but_seed(cfgs)
     tc = cfgs[0].train
     n_train = dataset.train.y.shape[0]
@@ -102,21 +94,18 @@ def fit_seeds(
     batch_fits(tc.batch_size, n_train, "train.batch_size")
     trackers = trackers or [Tracker() for _ in cfgs]
     x_train, y_train = split_tensors(dataset.train, strategy.device)
-    reason = model_trains_apart(cfgs[0], dataset, strategy, x_train[: tc.batch_size])
+    reason = model_trains_apart(cfgs[0], dataset, strategy)
     if reason is not None:
         log.info("seeds %s train one after another: %s", ", ".join(str(c.train.seed) for c in cfgs), reason)
         paths = checkpoints or [None for _ in cfgs]
-        return [fit(c, dataset, strategy, t, p) for c, t, p in zip(cfgs, trackers, paths, strict=True)]
-    seeds = _restore(cfgs, dataset, strategy, steps, trackers, checkpoints)
-    kind: type[SeedGroup] = StackedModels if cfgs[0].model.is_mlp() else FunctionalSeeds
-    group = kind(seeds, strategy, (x_train, y_train))
-    optimizer = SeedOptimizer(tc, list(group.weights.values()), [seed.params for seed in seeds], steps)
-    optimizer.load_from([seed.trainee for seed in seeds])
+        return [fit(c, dataset, strategy, t, p, until) for c, t, p in zip(cfgs, trackers, paths, strict=True)]
+    seeds = restore(cfgs, dataset, strategy, steps, trackers, checkpoints)
+    group, optimizer = stack(seeds, strategy, (x_train, y_train), steps)
     x_val, y_val = split_tensors(dataset.val, strategy.device)
     first = seeds[0].state.epoch
     collector.resume()  # as in fit: everything is loaded, and a loop that may run for hours starts
 
-    for epoch in range(first, tc.epochs):
+    for epoch in range(first, tc.epochs if until is None else min(until, tc.epochs)):
         for seed in seeds:  # checked before the epoch, as `fit` does: a resumed run stops too
             seed.active = seed.active and not seed.state.should_stop(tc.early_stopping_patience)
         if not any(seed.active for seed in seeds):
@@ -179,7 +168,17 @@ def _epoch(
     return done
 
 
-def _restore(
+def stack(
+    seeds: list[Seed], strategy: Strategy, train: tuple[torch.Tensor, torch.Tensor], steps: int
+) -> tuple[SeedGroup, SeedOptimizer]:
+    """The seeds' stacked model and optimizer, holding their trainees' (restored or fresh) state."""
+    group: SeedGroup = (StackedModels if seeds[0].cfg.model.is_mlp() else FunctionalSeeds)(seeds, strategy, train)
+    optimizer = SeedOptimizer(seeds[0].cfg.train, list(group.weights.values()), [s.params for s in seeds], steps)
+    optimizer.load_from([seed.trainee for seed in seeds])
+    return group, optimizer
+
+
+def restore(
     cfgs: list[Config],
     dataset: Dataset,
     strategy: Strategy,
@@ -273,14 +272,25 @@ def _result(seed: Seed, dataset: Dataset, strategy: Strategy) -> TrainResult:
     )
 
 
-def model_trains_apart(cfg: Config, dataset: Dataset, strategy: Strategy, example: torch.Tensor) -> str | None:
+def sweep_trains_apart(cfg: Config, dataset: Callable[[], Dataset]) -> str | None:
+    """Why a sweep's seeds (its experiments', its local-CBS branches') train one after another:
+    sweep.vectorize_seeds off, one seed, the config's reasons, then the model's (read on the data)."""
+    if not cfg.sweep.vectorize_seeds or len(cfg.sweep.seeds) < 2:
+        return "sweep.vectorize_seeds is false" if not cfg.sweep.vectorize_seeds else "one seed"
+    reason = seeds_train_apart(cfg)
+    if reason is None and not cfg.model.is_mlp():
+        reason = model_trains_apart(cfg, dataset(), Strategy(torch.device("cpu")))
+    return reason
+
+
+def model_trains_apart(cfg: Config, dataset: Dataset, strategy: Strategy) -> str | None:
     """Why the seeds of this model cannot train together (functional.why_apart, tried on an untrained
-    model and a batch of rows `example`), or None; the MLP's kernels take every built-in MLP."""
+    model and a batch of the train rows), or None; the MLP's kernels take every built-in MLP."""
     if cfg.model.is_mlp():
         return None
     with torch.random.fork_rng(devices=[]):  # initial_model seeds the global RNG
         model = initial_model(cfg, dataset.input_shape, dataset.n_classes, dataset.vocab).to(strategy.device)
-    reason = why_apart(model.train(), example)
+    reason = why_apart(model.train(), torch.from_numpy(dataset.train.x[: cfg.train.batch_size]).to(strategy.device))
     model_key = f"model.factory {cfg.model.factory}" if cfg.model.factory else f"model.name {cfg.model.name}"
     return None if reason is None else f"{model_key}: {reason}"
 

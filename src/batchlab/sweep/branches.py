@@ -25,6 +25,9 @@ import torch.nn.functional as F
 from batchlab import atomic, data
 from batchlab.config import Config, ConfigError
 from batchlab.paths import Paths
+from batchlab.seeds import vectorized
+from batchlab.seeds.branches import branch_losses
+from batchlab.seeds.vectorized import fit_seeds
 from batchlab.sweep.plan import Experiment, Keyed, keyed, probe_every, step_mib
 from batchlab.training.branch import branch_loss
 from batchlab.training.gns_exact import batch_coupled, exact_noise_scale
@@ -101,18 +104,29 @@ def unfinished_seeds(cfg: Config, paths: Paths) -> list[int]:
     return out
 
 
-def run_seed(cfg: Config, paths: Paths, seed: int) -> dict[str, Any]:
-    """One seed's branches as a work item of the sweep (groups.train_work, in a lane or on a Dask
-    worker): trained where not stored, and the stored file's content returned (`keep` puts it in
-    the sweep's own folder when the worker's is another)."""
+def work_items(cfg: Config, paths: Paths) -> list[tuple[int, ...]]:
+    """The seeds whose branches are not all stored, as the sweep's executor runs them beside its
+    experiments: all in one work item where the sweep's seeds train together
+    (vectorized.sweep_trains_apart), else one each (none when sweep.local_cbs is off)."""
+    seeds = unfinished_seeds(cfg, paths)
+    if len(seeds) < 2 or vectorized.sweep_trains_apart(cfg, lambda: data.load(paths.data)) is not None:
+        return [(seed,) for seed in seeds]
+    return [tuple(seeds)]
+
+
+def run_seeds(cfg: Config, paths: Paths, seeds: tuple[int, ...]) -> dict[str, Any]:
+    """Seeds' branches as a work item of the sweep (groups.train_work, in a lane or on a Dask
+    worker): trained where not stored, and each stored file's content returned by seed (`keep`
+    puts them in the sweep's own folder when the worker's is another)."""
     dataset = data.load(paths.data)
-    _seed(cfg, paths, dataset, seed, int(dataset.train.y.shape[0]), multipliers(cfg, dataset))
-    return dict(json.loads((folder(paths) / f"seed{seed}" / "branches.json").read_text()))
+    _seeds(cfg, paths, dataset, list(seeds), int(dataset.train.y.shape[0]), multipliers(cfg, dataset))
+    return {str(seed): json.loads((folder(paths) / f"seed{seed}" / "branches.json").read_text()) for seed in seeds}
 
 
-def keep(paths: Paths, seed: int, stored: dict[str, Any]) -> None:
-    """A seed's branches a worker computed, stored in this machine's folder too."""
-    atomic.write_json(folder(paths) / f"seed{seed}" / "branches.json", stored)
+def keep(paths: Paths, stored: dict[str, Any]) -> None:
+    """The seeds' branches a worker computed (run_seeds' result), stored in this machine's folder too."""
+    for seed, content in stored.items():
+        atomic.write_json(folder(paths) / f"seed{seed}" / "branches.json", content)
 
 
 def run(cfg: Config, paths: Paths, dataset: data.Dataset) -> list[dict[str, Any]]:
@@ -120,7 +134,8 @@ def run(cfg: Config, paths: Paths, dataset: data.Dataset) -> list[dict[str, Any]
     start: [per seed], losses: [per seed][per multiplier], b_simple_exact, b_simple_estimate}]
     (the noise scale's, means over seeds)."""
     n_train, ks = int(dataset.train.y.shape[0]), multipliers(cfg, dataset)
-    per_seed = [_seed(cfg, paths, dataset, seed, n_train, ks) for seed in cfg.sweep.seeds]
+    points = _seeds(cfg, paths, dataset, list(cfg.sweep.seeds), n_train, ks)
+    per_seed = [points[seed] for seed in cfg.sweep.seeds]
     out = []
     for i, first in enumerate(per_seed[0]):
         at = [s[i] for s in per_seed]
@@ -139,37 +154,72 @@ def _mean(values: list[float]) -> float:
     return sum(finite) / len(finite) if len(finite) == len(values) and finite else math.nan
 
 
-def _seed(
-    cfg: Config, paths: Paths, dataset: data.Dataset, seed: int, n_train: int, ks: list[int]
-) -> list[dict[str, Any]]:
-    """One seed's points: those its stored file holds under the same key, the rest trained, each
-    stored as it finishes (an interrupted seed resumes at its first unfinished point, its run from
-    the last epoch checkpointed)."""
-    job, key, where, at = _placed(cfg, paths, dataset, seed, n_train, ks)
-    epochs, examples = job.exp.epochs, branch_examples(ks, cfg, job.exp.epochs, n_train)
-    points = _stored(where / "branches.json", key, at)
-    if len(points) == len(at):
+def _seeds(
+    cfg: Config, paths: Paths, dataset: data.Dataset, seeds: list[int], n_train: int, ks: list[int]
+) -> dict[int, list[dict[str, Any]]]:
+    """Each seed's points: those its stored file holds under the same key, the rest trained, the
+    seeds at the same point together where the sweep's seeds train together, else one by one."""
+    placed = {seed: _placed(cfg, paths, dataset, seed, n_train, ks) for seed in seeds}
+    points = {seed: _stored(where / "branches.json", key, at) for seed, (_, key, where, at) in placed.items()}
+    todo = [seed for seed in seeds if len(points[seed]) < len(placed[seed][3])]
+    if not todo:
         return points
-    where.mkdir(parents=True, exist_ok=True)
-    log.info("local CBS: seed %d, each branch trains %d examples (%.1f%% of the run: whole batches of every "
-             "multiplier)%s", seed, examples, 100 * examples / (epochs * n_train),
-             f"; resuming at epoch {at[len(points)]}" if points else "")  # fmt: skip
-    for epoch in at[len(points) :]:
-        with session(job.cfg.train) as strategy:  # resumes train.pt where an interrupted seed left it
-            trained = fit(job.cfg, dataset, strategy, checkpoint=where / "train.pt", until=epoch)
-        kept = where / f"epoch-{epoch}.pt"
-        shutil.copyfile(where / "train.pt", kept)
-        saved = torch.load(kept, map_location="cpu", weights_only=True)
-        row, (exact, estimate) = trained.history[-1], _noise(cfg, dataset, saved)
-        losses = [branch_loss(job.cfg, dataset, saved, k, examples) for k in ks]
-        points.append({"epoch": epoch, "fraction": epoch / epochs, "examples": int(saved["state"]["examples"]),
-                       "start": float(row["val_loss"]), "losses": losses,
-                       "b_simple_exact": exact, "b_simple_estimate": estimate})  # fmt: skip
-        atomic.write_json(where / "branches.json", {"key": key, "examples_per_branch": examples, "points": points})
-        read = zip(ks, losses, strict=True)
-        log.info("local CBS: seed %d, epoch %d: val loss %.4f -> %s", seed, epoch, row["val_loss"],
-                 ", ".join(f"{k}x {v:.4f}" for k, v in read))  # fmt: skip
+    parts: dict[int, list[int]] = {}  # by the points stored: seeds that resume at one point train together
+    for seed in todo:
+        parts.setdefault(len(points[seed]), []).append(seed)
+    if vectorized.sweep_trains_apart(placed[todo[0]][0].cfg, lambda: dataset) is not None:
+        parts = {i: [seed] for i, seed in enumerate(todo)}
+    for part in parts.values():
+        _train_points(cfg, dataset, [placed[seed] for seed in part], [points[seed] for seed in part], ks)
     return points
+
+
+def _train_points(
+    cfg: Config, dataset: data.Dataset, placed: list[tuple[Keyed, str, Path, list[int]]],
+    points: list[list[dict[str, Any]]], ks: list[int],
+) -> None:  # fmt: skip
+    """The seeds' points not yet stored (`points`, appended to: the same count for every seed),
+    each stored as it finishes: their runs to each point (resumed from train.pt where interrupted),
+    then every multiplier's branches."""
+    jobs, wheres, at = [p[0] for p in placed], [p[2] for p in placed], placed[0][3]
+    epochs, n_train = jobs[0].exp.epochs, int(dataset.train.y.shape[0])
+    examples = branch_examples(ks, cfg, epochs, n_train)
+    for where in wheres:
+        where.mkdir(parents=True, exist_ok=True)
+    done = len(points[0])
+    log.info("local CBS: seeds %s, each branch trains %d examples (%.1f%% of the run: whole batches of every "
+             "multiplier)%s", ", ".join(str(j.exp.seed) for j in jobs), examples, 100 * examples / (epochs * n_train),
+             f"; resuming at epoch {at[done]}" if done else "")  # fmt: skip
+    cfgs = [job.cfg for job in jobs]
+    for epoch in at[done:]:
+        with session(cfgs[0].train) as strategy:  # each resumes train.pt where an interrupted run left it
+            trained = (
+                [fit(cfgs[0], dataset, strategy, checkpoint=wheres[0] / "train.pt", until=epoch)]
+                if len(cfgs) == 1
+                else fit_seeds(cfgs, dataset, strategy, checkpoints=[w / "train.pt" for w in wheres], until=epoch)
+            )
+        kept = [where / f"epoch-{epoch}.pt" for where in wheres]
+        for where, path in zip(wheres, kept, strict=True):
+            shutil.copyfile(where / "train.pt", path)
+        losses = [_losses(cfgs, dataset, kept, k, examples) for k in ks]  # per multiplier, per seed
+        for i, (job, where, result) in enumerate(zip(jobs, wheres, trained, strict=True)):
+            saved = torch.load(kept[i], map_location="cpu", weights_only=True)
+            row, (exact, estimate) = result.history[-1], _noise(cfg, dataset, saved)
+            mine = [per_k[i] for per_k in losses]
+            points[i].append({"epoch": epoch, "fraction": epoch / epochs, "examples": int(saved["state"]["examples"]),
+                              "start": float(row["val_loss"]), "losses": mine,
+                              "b_simple_exact": exact, "b_simple_estimate": estimate})  # fmt: skip
+            atomic.write_json(where / "branches.json", {"key": placed[i][1], "examples_per_branch": examples,
+                                                        "points": points[i]})  # fmt: skip
+            log.info("local CBS: seed %d, epoch %d: val loss %.4f -> %s", job.exp.seed, epoch, row["val_loss"],
+                     ", ".join(f"{k}x {v:.4f}" for k, v in zip(ks, mine, strict=True)))  # fmt: skip
+
+
+def _losses(cfgs: list[Config], dataset: data.Dataset, kept: list[Path], k: int, examples: int) -> list[float]:
+    """Each seed's val loss after its branch at multiplier `k`: together (seeds/branches.py), or alone."""
+    if len(cfgs) > 1:
+        return branch_losses(cfgs, dataset, kept, k, examples)
+    return [branch_loss(cfgs[0], dataset, torch.load(kept[0], map_location="cpu", weights_only=True), k, examples)]
 
 
 def _placed(

@@ -134,13 +134,13 @@ def on_cluster(lane: Lane, work: list[Work], want: Expected, sweep_id: str) -> d
     root, outputs = str(paths.root.resolve()), os.path.relpath(paths.outputs, paths.root)
     futures = [experiment.submit(lane, item, item.name, root, outputs, want, sweep_id) for item in work]
     by_name = {exp.name: exp for item in work for exp in item.experiments}
-    branched = {item.name: item.branch_seed for item in work if item.branch_seed is not None}
+    branched = {item.name for item in work if item.branch_seeds}
     results: dict[str, dict[str, Any]] = {}
     for done in as_completed(futures):
         for name, result in done.result().items():
             # kept here too: a resume finds it even when the workers' folders are not this one
             if name in branched:
-                branches.keep(paths, branched[name], result)
+                branches.keep(paths, result)
             else:
                 atomic.write_json(folder_of(paths, by_name[name]).outputs / "result.json", result)
             results[name] = result

@@ -19,8 +19,6 @@ import logging
 import time
 from typing import Any, TypeVar
 
-import torch
-
 from batchlab import data, tracking
 from batchlab.config import Config
 from batchlab.paths import Paths
@@ -29,8 +27,7 @@ from batchlab.sweep import branches, experiment, lock
 from batchlab.sweep.experiment import Clock
 from batchlab.sweep.plan import Experiment, Keyed, Lane, Work, keyed
 from batchlab.training import threads, tracked
-from batchlab.training.strategy import Strategy, session
-from batchlab.training.support import seeds_train_apart
+from batchlab.training.strategy import session
 from batchlab.training.train import TrainResult
 
 log = logging.getLogger(__name__)
@@ -43,14 +40,9 @@ def groups(cfg: Config, todo: list[Experiment], paths: Paths) -> list[Work]:
     on a batch of the prepared train rows (seeds/functional.why_apart): one that must train its
     seeds apart (BatchNorm, its own random draws) is not grouped, so its seeds fill the lanes and
     each keeps its own wall time. The one place the sweep decides it: each work item carries it."""
-    asked = cfg.sweep.vectorize_seeds and len(cfg.sweep.seeds) > 1
-    reason = seeds_train_apart(cfg)  # the config's reasons (DDP, fp16, ...), then the model's
-    if asked and reason is None and not cfg.model.is_mlp():
-        dataset = data.load(paths.data)
-        rows = torch.from_numpy(dataset.train.x[: cfg.train.batch_size])
-        reason = vectorized.model_trains_apart(cfg, dataset, Strategy(torch.device("cpu")), rows)
-    if not asked or reason is not None:
-        if asked:
+    reason = vectorized.sweep_trains_apart(cfg, lambda: data.load(paths.data))
+    if reason is not None:
+        if cfg.sweep.vectorize_seeds and len(cfg.sweep.seeds) > 1:
             log.info("sweep: seeds train one after another: %s", reason)
         return [Work((exp,)) for exp in todo]
     together: dict[tuple[int, float], list[Experiment]] = {}
@@ -73,10 +65,10 @@ def run_work(lane: Lane, work: Work) -> dict[str, Any]:
 def train_work(lane: Lane, work: Work) -> dict[str, Any]:
     """Every experiment's result row, by name, each claimed first (lock.claimed): a second copy of
     the task, run while the first still trains, waits and then finds the rows committed. A seed's
-    local-CBS branches (`work.branch_seed`): their stored points, under the work item's name."""
-    if work.branch_seed is not None:
+    local-CBS branches (`work.branch_seeds`): their stored points by seed, under the work item's name."""
+    if work.branch_seeds:
         with lock.claimed(lane.paths, [work.name]):  # on the threads every work item here gets (run_work's callers)
-            return {work.name: branches.run_seed(lane.cfg, lane.paths, work.branch_seed)}
+            return {work.name: branches.run_seeds(lane.cfg, lane.paths, work.branch_seeds)}
     with lock.claimed(lane.paths, [exp.name for exp in work.experiments]):
         return _train_claimed(lane, work)
 

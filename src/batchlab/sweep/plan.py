@@ -78,16 +78,16 @@ def folder_of(paths: Paths, exp: Experiment) -> Paths:
 @dataclass(frozen=True)
 class Work:
     """One task of the sweep: an experiment, or the seeds of one batch size and lr multiplier
-    trained together (decided once for the whole sweep: groups.groups), or one seed's local-CBS
-    branches (`branch_seed`: sweep/branches.py; no experiment)."""
+    trained together (decided once for the whole sweep: groups.groups), or seeds' local-CBS
+    branches (`branch_seeds`, together where the seeds train together: sweep/branches.py; no experiment)."""
 
     experiments: tuple[Experiment, ...]
-    branch_seed: int | None = None
+    branch_seeds: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
-        if self.branch_seed is not None:
-            return f"local-cbs-seed{self.branch_seed}"
+        if self.branch_seeds:
+            return "local-cbs-" + "+".join(f"seed{seed}" for seed in self.branch_seeds)
         return "+".join(exp.name for exp in self.experiments)
 
     def __len__(self) -> int:

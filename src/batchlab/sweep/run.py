@@ -231,15 +231,16 @@ def description(
 def run_counted(executor: executors.Executor, lane: plan.Lane, sweep: Sweep) -> dict[str, dict[str, Any]]:
     """The experiments still to do, through `executor`, counted done / total with the time left;
     grouped here, once, into the work items every executor runs (groups.groups). With
-    sweep.local_cbs, each seed's branches not yet stored are a work item too, queued first (the
-    longest), so lanes and Dask workers run them beside the experiments, and the report reads them
-    back (under the schedule rule they were measured before the plan: stored already)."""
-    seeds = branches.unfinished_seeds(lane.cfg, lane.paths)
+    sweep.local_cbs, the seeds' branches not yet stored are work items too (one for the seeds
+    together where they train together, else one per seed), queued first (the longest), so lanes
+    and Dask workers run them beside the experiments, and the report reads them back (under the
+    schedule rule they were measured before the plan: stored already)."""
+    seeds = branches.work_items(lane.cfg, lane.paths)
     if not sweep.todo and not seeds:
         return executor.run(lane, [])
-    work = [plan.Work((), branch_seed=seed) for seed in seeds]
+    work = [plan.Work((), branch_seeds=part) for part in seeds]
     work += groups.groups(lane.cfg, sweep.todo, lane.paths) if sweep.todo else []
-    total = len(sweep.experiments) + len(seeds)  # a seed's branches count as one
+    total = len(sweep.experiments) + len(seeds)  # each branch work item counts as one
     with progress.counting(total, len(sweep.experiments) - len(sweep.todo)):
         return executor.run(lane, work)
 
