@@ -25,8 +25,8 @@ from common import REPO, Table, markdown, progress, recorded, timed, working_dir
 STUDIES: dict[str, dict[str, Any]] = {
     "default (MLP, synthetic)": {},
     "CNN on digits_images": {"data": {"source": "digits_images"}, "model": {"name": "cnn"}},
-    # its val loss stops falling at ~20% of its 20 epochs (early stopping ends it near 60%): points
-    # later than that find no fall in the base branch to compare with ("not measured")
+    # its val loss stops falling at ~20% of its 20 epochs: points later than that find no fall in
+    # the base branch to compare with ("not measured")
     "transformer on sequences": {
         "data": {"source": "sequences"},
         "model": {"name": "transformer"},

@@ -70,6 +70,27 @@ def test_without_gradient_noise_the_lr_rule_sets_the_local_cbs(workdir: Path, ru
     assert abs(point.b_simple_exact) < 1e-5  # no noise indeed (float rounding only)
 
 
+def test_the_branches_run_ignores_early_stopping_as_the_studys_experiments_do(workdir: Path) -> None:
+    """lr 1e-30 (below float32 resolution: the weights never move): the val loss never improves, so
+    patience 1 would stop `batchlab train` after its second epoch; the study's experiments train
+    every epoch (identical conditions), and so does the branches' run: the point at epoch 3 is
+    branched from epoch 3's weights."""
+    cfg = tiny_config(
+        train={"epochs": 4, "lr": 1e-30, "early_stopping_patience": 1},
+        sweep={"epochs": 4, "seeds": [0, 1], "local_cbs": True, "local_cbs_points": [0.75],
+               "local_cbs_multipliers": [1, 2]},
+    )  # fmt: skip
+    dataset = _noiseless(128)
+    with session(cfg.train) as strategy:
+        assert len(fit(cfg, dataset, strategy).history) == 2  # a plain training stops early
+    (point,) = branches.run(cfg, Paths(workdir), dataset)
+    assert point["epoch"] == 3 and point["examples"] == 3 * 128
+    for seed in (0, 1):
+        saved = torch.load(workdir / f"sweep/local_cbs/seed{seed}/epoch-3.pt", weights_only=True)
+        assert saved["state"]["epoch"] == 3
+    assert not local_cbs.points_of([point], cfg.sweep.local_cbs_tolerance)[0].result.measured  # no fall
+
+
 @pytest.mark.parametrize("together", [True, False])
 def test_an_interrupted_seed_resumes_at_its_first_unfinished_point(
     workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, together: bool
