@@ -6,7 +6,9 @@ at every epoch), trained here up to each point with its checkpoint kept there
 (sweep/local_cbs/seed<s>/epoch-<e>.pt, the resume format). Each seed's branches are stored with a
 key (the experiment's and the branching settings'), point by point: a rerun recomputes nothing, an
 interrupted one resumes at the first unfinished point, an edit of the params, data or code
-recomputes them.
+recomputes them. Where the sweep's seeds train together (vectorized.sweep_trains_apart, as its
+experiments do), the seeds' runs to each point and each multiplier's branches train together
+(fit_seeds, seeds/branches.py), and all seeds' branches are one work item of the executor.
 """
 
 from __future__ import annotations
