@@ -3,7 +3,8 @@
 the whole grid (bench_local_cbs). Each setting here branches the same study from scratch (its own
 base runs: the branching settings are part of each seed's key), and the table gives, per setting,
 the mean interval width in doublings over the measured points, how many points span the grid, and
-the branches' wall time, side by side in one run with the load beside it."""
+the branches' wall time, side by side in one run with the load beside it. The last setting is
+the default's branched with its seeds one after another: what training them together saves."""
 
 from __future__ import annotations
 
@@ -28,13 +29,15 @@ STUDIES = {k: v for k, v in bench_local_cbs.STUDIES.items() if not k.startswith(
 # BATCHLAB_BENCH_STUDIES=default: the studies whose names start with these
 CHOSEN = os.environ.get("BATCHLAB_BENCH_STUDIES", "").split(",")
 RUN = {k: v for k, v in STUDIES.items() if any(k.startswith(c) for c in CHOSEN)}
-# (seeds, branch fraction): the reference first
-SETTINGS = [(5, 0.05), (5, 0.1), (5, 0.2), (10, 0.05)]
+# (seeds, branch fraction, seeds trained together): the reference first; the last, the default
+# branched with its seeds one after another (sweep.vectorize_seeds false), side by side
+SETTINGS = [(5, 0.05, True), (5, 0.1, True), (5, 0.2, True), (10, 0.05, True), (5, 0.2, False)]
 
 
-def _config(overrides: dict[str, Any], seeds: int, fraction: float) -> Config:
+def _config(overrides: dict[str, Any], seeds: int, fraction: float, together: bool) -> Config:
     base = load_config(REPO / "params.yaml")
-    sweep = {"local_cbs": True, "seeds": list(range(seeds)), "local_cbs_fraction": fraction}
+    sweep = {"local_cbs": True, "seeds": list(range(seeds)), "local_cbs_fraction": fraction,
+             "vectorize_seeds": together}  # fmt: skip
     merged = {**overrides, "sweep": sweep, "tracking": {"enabled": False}}
     sections = {s: getattr(base, s).model_copy(update=v) for s, v in merged.items()}
     return base.model_copy(update=sections)
@@ -53,16 +56,17 @@ def main() -> dict[str, Any]:
     table = Table(
         "sweep.local_cbs: the interval's width against branch length and seeds (4 points, multipliers 1–16, "
         "tolerance 0.1; width in doublings, 4 = the whole grid)",
-        ["study", "seeds", "branch fraction", "mean width (doublings)", "points spanning the grid",
+        ["study", "seeds", "branch fraction", "seeds trained", "mean width (doublings)", "points spanning the grid",
          "branches wall (s)", "wall / reference", "load"],
     )  # fmt: skip
     raw: dict[str, Any] = {}
     for name, overrides in RUN.items():
         reference = math.nan
-        for seeds, fraction in SETTINGS:
-            progress(f"local_cbs_width: {name}, {seeds} seeds, fraction {fraction}")
+        for seeds, fraction, together in SETTINGS:
+            how = "together" if together else "one after another"
+            progress(f"local_cbs_width: {name}, {seeds} seeds {how}, fraction {fraction}")
             load = os.getloadavg()[0]
-            cfg = _config(overrides, seeds, fraction)
+            cfg = _config(overrides, seeds, fraction, together)
             with tempfile.TemporaryDirectory() as tmp, working_dir(Path(tmp)):
                 paths = Paths(Path(tmp))
                 stages.generate(cfg, paths)
@@ -72,9 +76,9 @@ def main() -> dict[str, Any]:
             points = local_cbs.points_of(raw_points, cfg.sweep.local_cbs_tolerance)
             width, spanning, measured = widths(points)
             reference = wall if math.isnan(reference) else reference
-            table.add(name, seeds, fraction, f"{width:.2f}", f"{spanning} of {measured}", f"{wall:.0f}",
+            table.add(name, seeds, fraction, how, f"{width:.2f}", f"{spanning} of {measured}", f"{wall:.0f}",
                       f"{wall / reference:.2f}", f"{load:.2f}")  # fmt: skip
-            raw[f"{name}|{seeds}|{fraction}"] = {
+            raw[f"{name}|{seeds}|{fraction}|{how}"] = {
                 "width_doublings": width, "spanning": spanning, "measured": measured, "wall_s": wall, "load": load,
                 "cbs": [[p.result.multiplier, p.result.low, p.result.high] if p.result.measured else None
                         for p in points],
