@@ -91,27 +91,21 @@ def multipliers(cfg: Config, dataset: data.Dataset) -> list[int]:
     return fits
 
 
-def unfinished_seeds(cfg: Config, paths: Paths) -> list[int]:
-    """The sweep's seeds whose branches are not all stored under their key: the work items the
-    sweep's executor runs beside its experiments (none when sweep.local_cbs is off)."""
+def work_items(cfg: Config, paths: Paths) -> list[tuple[int, ...]]:
+    """The seeds whose branches are not all stored under their key, as the sweep's executor runs
+    them beside its experiments: all in one work item where the sweep's seeds train together
+    (vectorized.sweep_trains_apart, as `_seeds` trains them), else one each (none when
+    sweep.local_cbs is off)."""
     if not cfg.sweep.local_cbs:
         return []
     dataset = data.load(paths.data)
     n_train, ks = int(dataset.train.y.shape[0]), multipliers(cfg, dataset)
-    out = []
+    seeds = []
     for seed in cfg.sweep.seeds:
         _, key, where, at = _placed(cfg, paths, dataset, seed, n_train, ks)
         if [p["epoch"] for p in _read(where / "branches.json", key)] != at:
-            out.append(seed)
-    return out
-
-
-def work_items(cfg: Config, paths: Paths) -> list[tuple[int, ...]]:
-    """The seeds whose branches are not all stored, as the sweep's executor runs them beside its
-    experiments: all in one work item where the sweep's seeds train together
-    (vectorized.sweep_trains_apart), else one each (none when sweep.local_cbs is off)."""
-    seeds = unfinished_seeds(cfg, paths)
-    if len(seeds) < 2 or vectorized.sweep_trains_apart(cfg, lambda: data.load(paths.data)) is not None:
+            seeds.append(seed)
+    if len(seeds) < 2 or vectorized.sweep_trains_apart(cfg, lambda: dataset) is not None:
         return [(seed,) for seed in seeds]
     return [tuple(seeds)]
 
@@ -166,12 +160,14 @@ def _seeds(
     todo = [seed for seed in seeds if len(points[seed]) < len(placed[seed][3])]
     if not todo:
         return points
-    parts: dict[int, list[int]] = {}  # by the points stored: seeds that resume at one point train together
-    for seed in todo:
-        parts.setdefault(len(points[seed]), []).append(seed)
-    if vectorized.sweep_trains_apart(placed[todo[0]][0].cfg, lambda: dataset) is not None:
-        parts = {i: [seed] for i, seed in enumerate(todo)}
-    for part in parts.values():
+    if vectorized.sweep_trains_apart(cfg, lambda: dataset) is not None:  # work_items' rule
+        parts = [[seed] for seed in todo]
+    else:  # seeds that resume at one point train together
+        by_done: dict[int, list[int]] = {}
+        for seed in todo:
+            by_done.setdefault(len(points[seed]), []).append(seed)
+        parts = list(by_done.values())
+    for part in parts:
         _train_points(cfg, dataset, [placed[seed] for seed in part], [points[seed] for seed in part], ks)
     return points
 

@@ -64,7 +64,7 @@ def run_work(lane: Lane, work: Work) -> dict[str, Any]:
 
 def train_work(lane: Lane, work: Work) -> dict[str, Any]:
     """Every experiment's result row, by name, each claimed first (lock.claimed): a second copy of
-    the task, run while the first still trains, waits and then finds the rows committed. A seed's
+    the task, run while the first still trains, waits and then finds the rows committed. Seeds'
     local-CBS branches (`work.branch_seeds`): their stored points by seed, under the work item's name."""
     if work.branch_seeds:
         with lock.claimed(lane.paths, [work.name]):  # on the threads every work item here gets (run_work's callers)
