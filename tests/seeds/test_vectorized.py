@@ -20,10 +20,11 @@ from batchlab.model import ACTIVATIONS
 from batchlab.paths import Paths
 from batchlab.seeds import vectorized
 from batchlab.sweep import groups, speeds
-from batchlab.sweep.plan import Experiment
+from batchlab.sweep.plan import Experiment, experiment_config, plan
 from batchlab.sweep.run import run_sweep
 from batchlab.training import gns_probes
 from batchlab.training.strategy import Strategy
+from batchlab.training.support import seeds_train_apart
 from batchlab.training.throughput import Table
 from batchlab.training.train import TrainResult, fit
 from tests.support import tiny_config
@@ -183,6 +184,21 @@ def test_seeds_train_apart_where_the_vectorized_path_does_not_apply(
     assert len(said) == 1 and "seeds train one after another: train.strategy ddp with 2 ranks" in said[0]
     with pytest.raises(ValueError, match="fp16"):
         vectorized.fit_seeds(_configs(precision="fp16"), Dataset.__new__(Dataset), Strategy(CPU))
+
+
+def test_the_fixed_rows_seeds_train_together_when_params_ask_batchlab_train_for_an_adaptive_batch(
+    tmp_path: Path,
+) -> None:
+    """train.adaptive_batch in params is `batchlab train`'s: the sweep's fixed rows train at a fixed
+    batch (plan.experiment_config), so their seeds group; only sweep.adaptive's rows train alone.
+    Before, the sweep's own config was asked, and every fixed row trained its seeds one by one."""
+    cfg = tiny_config(train={"adaptive_batch": True, "batch_size": 16}, sweep={"seeds": [0, 1], "adaptive": True})
+    todo = plan(cfg, n_train=420)
+    work = groups.groups(cfg, todo, Paths(tmp_path))
+    fixed = [w for w in work if not any(e.adaptive for e in w.experiments)]
+    assert fixed and all(len(w) == 2 for w in fixed)
+    assert sorted(len(w) for w in work if w not in fixed) == [1, 1]  # each adaptive seed alone
+    assert all(seeds_train_apart(experiment_config(cfg, e)) is None for w in fixed for e in w.experiments)
 
 
 def test_configs_that_differ_in_more_than_the_seed_are_refused(tiny_dataset: Dataset) -> None:

@@ -149,11 +149,11 @@ def _epoch(
     done = EpochSteps()
     scoring_seconds = 0.0
     started = time.perf_counter()
-    for step in range(steps):
-        rows = orders[:, step * tc.batch_size : (step + 1) * tc.batch_size]
-        # index_select: the same rows as x_train[rows], at a fraction of advanced indexing's cost
-        inputs = x_train.index_select(0, rows.flatten()).view(*rows.shape, *x_train.shape[1:])
-        targets = y_train.index_select(0, rows.flatten()).view(rows.shape)
+    n, b = orders.shape[0], tc.batch_size  # each step's rows of every seed, one contiguous row: [steps, S·B]
+    by_step = orders[:, : steps * b].view(n, steps, b).transpose(0, 1).reshape(steps, n * b)
+    for step in range(steps):  # index_select: x_train[rows]'s rows, at a fraction of advanced indexing's cost
+        inputs = x_train.index_select(0, by_step[step]).view(n, b, *x_train.shape[1:])
+        targets = y_train.index_select(0, by_step[step]).view(n, b)
         done.losses += group.backward(inputs, targets)
         done.norms.append(group.measure())
         optimizer.step(group.stepping(done.norms[-1]))
@@ -273,11 +273,11 @@ def _result(seed: Seed, dataset: Dataset, strategy: Strategy) -> TrainResult:
 
 
 def sweep_trains_apart(cfg: Config, dataset: Callable[[], Dataset]) -> str | None:
-    """Why a sweep's seeds (its experiments', its local-CBS branches') train one after another:
-    sweep.vectorize_seeds off, one seed, the config's reasons, then the model's (read on the data)."""
+    """Why a sweep's seeds (its experiments', its local-CBS branches') train one after another: vectorize_seeds
+    off, one seed, a fixed row's config's reasons (train.adaptive_batch is `batchlab train`'s), the model's."""
     if not cfg.sweep.vectorize_seeds or len(cfg.sweep.seeds) < 2:
         return "sweep.vectorize_seeds is false" if not cfg.sweep.vectorize_seeds else "one seed"
-    reason = seeds_train_apart(cfg)
+    reason = seeds_train_apart(cfg.model_copy(update={"train": cfg.train.model_copy(update={"adaptive_batch": False})}))
     if reason is None and not cfg.model.is_mlp():
         reason = model_trains_apart(cfg, dataset(), Strategy(torch.device("cpu")))
     return reason
