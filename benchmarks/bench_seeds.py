@@ -8,7 +8,9 @@ interleaved in one process, the median of REPEATS is kept, and the load average 
 before and after: a neighbour's load hits every variant alike. Target (issue #45): 5 seeds
 together in ≤ 1.6x one seed's wall time (#12 asked 2x). The "dropout 0" rows show what the dropout masks cost:
 each seed draws its own (one bernoulli_ per seed and layer, the draws its separate run makes),
-so they cost as much per seed together as apart.
+so they cost as much per seed together as apart. The "floor" row (group_floor) runs the group with
+its kernels, each seed's own masks, the group's probe and val scoring and nothing else: what 5
+seeds cost at least on this CPU's kernels while each keeps its separate run's masks.
 
 The CNN rows (issue #27) take the same sweep experiment's settings with the built-in CNN
 (params.yaml's channels [16, 32], dropout 0.1) on the digits as 8x8 images, batch 32: its seeds
@@ -37,8 +39,10 @@ from batchlab.config import Config, load_config
 from batchlab.data import Dataset, build
 from batchlab.seeds import vectorized
 from batchlab.sweep.plan import experiment_config, plan
+from batchlab.tracking import Tracker
+from batchlab.training.epochs import epoch_order
 from batchlab.training.strategy import Strategy
-from batchlab.training.train import fit
+from batchlab.training.train import fit, split_tensors
 from common import REPO, Table, progress, verdict
 
 BATCH_SIZES = (16, 32, 64)
@@ -50,6 +54,7 @@ CNN_BATCH = 32
 CNN_TARGET = 1.1  # the CNN's 5 seeds within 1.1x of what their arithmetic costs (issue #45)
 OUT = REPO / "benchmarks" / "out" / "seeds.md"
 PLAIN, QUIET = "dropout 0", "noise probe off"  # the variants beside the sweep's settings
+FLOOR = "the group's floor: its kernels, masks, probe and val scoring, no bookkeeping (group_floor)"
 
 
 def configs(base: Config, batch: int, n_train: int) -> list[Config]:
@@ -86,7 +91,63 @@ def variants(cfgs: list[Config], dataset: Dataset) -> dict[str, Any]:
         f"{n} seeds together, fit_seeds(), {PLAIN}": lambda: vectorized.fit_seeds(plain, dataset, Strategy(cpu)),
         f"1 seed, fit(), {QUIET}": lambda: fit(quiet[0], dataset, Strategy(cpu)),
         f"{n} seeds together, fit_seeds(), {QUIET}": lambda: vectorized.fit_seeds(quiet, dataset, Strategy(cpu)),
+        f"{n} seeds, {FLOOR}": lambda: group_floor(cfgs, dataset),
     }
+
+
+def group_floor(cfgs: list[Config], dataset: Dataset) -> None:
+    """The group's run without its bookkeeping: each step draws every seed's own masks (one
+    bernoulli_ per seed and layer, as fit_seeds must), runs the stacked kernels (stacked.py's
+    forward and backward, written out with no Python around them) and one fused AdamW step; once
+    an epoch the group's real probe (probe_together), and the val scoring as often as fit_seeds.
+    No losses, norms, schedule, per-seed figures or checkpoints: what 5 seeds cost at least with
+    each seed's own masks on this CPU's kernels. The MLP of params.yaml only (two ReLU layers)."""
+    tc, (h1_size, h2_size), p = cfgs[0].train, cfgs[0].model.hidden_sizes, cfgs[0].model.dropout
+    assert cfgs[0].model.activation == "relu" and h1_size == h2_size, "the floor is written for params.yaml's MLP"
+    cpu, n, b = torch.device("cpu"), len(cfgs), tc.batch_size
+    x_train, y_train = split_tensors(dataset.train, cpu)
+    rows, steps = x_train.shape[0], x_train.shape[0] // b
+    seeds = vectorized.restore(cfgs, dataset, Strategy(cpu), steps, [Tracker() for _ in cfgs], None)
+    group, _ = vectorized.stack(seeds, Strategy(cpu), (x_train, y_train), steps)
+    sizes = [(x_train.shape[1], h1_size), (h1_size, h2_size), (h2_size, dataset.n_classes)]
+    w = [torch.randn(n, i, o) * 0.1 for i, o in sizes] + [torch.zeros(n, 1, o) for _, o in sizes]
+    for t in w:
+        t.grad = torch.zeros_like(t)
+    optimizer = torch.optim.AdamW(w, lr=tc.lr, fused=True)
+    masks = [torch.empty(n, b, h1_size), torch.empty(n, b, h2_size)]
+    parts = [m.unbind() for m in masks]
+    generators = [torch.Generator().manual_seed(c.train.seed) for c in cfgs]
+    x_val = split_tensors(dataset.val, cpu)[0]
+    for epoch in range(tc.epochs):
+        orders = torch.stack([epoch_order(c.train.seed, epoch, rows) for c in cfgs])
+        by_step = orders[:, : steps * b].view(n, steps, b).transpose(0, 1).reshape(steps, n * b)
+        for step in range(steps):
+            x = x_train.index_select(0, by_step[step]).view(n, b, -1)
+            y = y_train.index_select(0, by_step[step]).view(n, b)
+            for i, generator in enumerate(generators):
+                parts[0][i].bernoulli_(1 - p, generator=generator)
+                parts[1][i].bernoulli_(1 - p, generator=generator)
+            for m in masks:
+                m.div_(1 - p)
+            a1 = torch.baddbmm(w[3], x, w[0]).relu()
+            h1 = a1 * masks[0]
+            a2 = torch.baddbmm(w[4], h1, w[1]).relu()
+            h2 = a2 * masks[1]
+            log_probs = F.log_softmax(torch.baddbmm(w[5], h2, w[2]), 2)
+            g = torch.zeros_like(log_probs).scatter_(2, y.unsqueeze(2), -1.0 / b)
+            g = torch.ops.aten._log_softmax_backward_data(g, log_probs, 2, log_probs.dtype)
+            for h, weight, bias, activation, mask in ((h2, w[2], w[5], a2, masks[1]), (h1, w[1], w[4], a1, masks[0])):
+                torch.bmm(h.transpose(1, 2), g, out=weight.grad)
+                torch.sum(g, 1, keepdim=True, out=bias.grad)
+                g = torch.ops.aten.threshold_backward(torch.bmm(g, weight.transpose(1, 2)) * mask, activation, 0)
+            torch.bmm(x.transpose(1, 2), g, out=w[0].grad)
+            torch.sum(g, 1, keepdim=True, out=w[3].grad)
+            optimizer.step()
+            if tc.eval_every_steps and (epoch * steps + step + 1) % tc.eval_every_steps == 0:
+                group.predict(x_val)
+        if tc.gns:
+            group.probe_together(seeds, (epoch + 1) * steps)
+        group.predict(x_val)
 
 
 def _alone(variant: str) -> str:
