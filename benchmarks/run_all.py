@@ -35,6 +35,7 @@ BENCHES = (
     "fsdp",
     "sweep",
     "adaptive",
+    "schedules",
     "first_reading",
     "local_cbs",
     "local_cbs_width",

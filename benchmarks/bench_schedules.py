@@ -1,0 +1,91 @@
+"""What any grow-only batch schedule can reach on issue #42's goals: the adaptive row of each study
+run under train.adapt_rule schedule with a grid of hand-written schedules (a starting batch, and one
+grow at a share of the run's examples), against the same fixed rows, paired by seed with the
+study's own tests (study/adaptive.py, Holm over every comparison), as bench_adaptive does.
+
+A rule that reads the noise scale ends up taking some schedule of this kind, and pays for its
+readings besides; so a goal no schedule here meets is one no such rule meets on that study either
+(within the grid: starts 16-128, one grow to 2-32x at 10% or 30% of the run's examples, and each
+batch held from the start). The goals: not measurably slower to the target than the fastest fixed
+batch, not measurably worse in test F1 than the best-F1 one, at least 40% fewer optimizer steps to
+the target than that one.
+
+    BATCHLAB_BENCH_STUDIES=default,CNN python benchmarks/run_all.py --only schedules
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_adaptive import RUN, STUDIES, _config, _row, _study
+from common import Table, markdown, progress, recorded
+
+HELD = (32, 64, 128, 256)  # a batch held from the first step
+STARTS = (16, 32, 64)  # a warmup's starting batch ...
+ENDS = (128, 256, 512)  # ... and the batch it grows to ...
+SHARES = (0.1, 0.3)  # ... at this share of the run's examples
+
+
+def grid() -> list[list[tuple[float, int]]]:
+    held = [[(0.0, b)] for b in HELD]
+    warm = [[(0.0, s), (x, e)] for s in STARTS for e in ENDS for x in SHARES if e > s]
+    return held + warm
+
+
+def label(schedule: list[tuple[float, int]]) -> str:
+    return " → ".join(f"{int(b)}" if not s else f"{int(b)} at {s:.0%}" for s, b in schedule)
+
+
+def main() -> dict[str, Any]:
+    table = Table(
+        "Grow-only batch schedules against the fixed batch sizes (5 seeds, paired by seed; * measurable, Holm "
+        "over all comparisons; seconds on the study's clock; train.adapt_rule schedule, no readings)",
+        ["study", "schedule", "s to target", "fastest fixed (s)", "Δ s vs fastest", "F1", "best F1 (batch)",
+         "Δ F1 vs best", "steps vs best-F1 batch", "not slower / not worse / 40% fewer steps", "all three",
+         "load", "measured"],
+    )  # fmt: skip
+    raw: dict[str, Any] = {}
+    today = time.strftime("%Y-%m-%d")
+    for name, overrides in RUN.items():
+        # one folder a study: the fixed rows and the clock are measured once; each schedule retrains the
+        # adaptive rows only (their key holds train.adapt_schedule)
+        with tempfile.TemporaryDirectory() as tmp:
+            for schedule in grid():
+                progress(f"schedules: {name}, {label(schedule)}")
+                train = {**overrides.get("train", {}), "adapt_schedule": schedule}
+                cfg = _config({**overrides, "train": train}, "schedule")
+                cfg = cfg.model_copy(update={"sweep": cfg.sweep.model_copy(update={"local_cbs": False})})
+                study, _ = _study(cfg, Path(tmp))
+                row, figures = _row(study)
+                goals = figures["goals"]
+                everything = "yes" if all(goals.values()) else ""
+                table.add(name, label(schedule), *row[:8], everything, f"{os.getloadavg()[0]:.2f}", today)
+                progress(f"schedules: {name}, {label(schedule)}: " + " | ".join(row[:8]))
+                raw[f"{name} / {label(schedule)}"] = {**figures, "schedule": schedule, "measured": today}
+    _keep_earlier(table, raw)
+    tables = [table.as_dict()]
+    print(markdown(tables))
+    return {"tables": tables, "schedules": raw}
+
+
+def _keep_earlier(table: Table, raw: dict[str, Any]) -> None:
+    """A run of some studies (BATCHLAB_BENCH_STUDIES) keeps the other studies' rows from
+    benchmarks/results.json, each with its load and the date it was measured."""
+    earlier = recorded().get("schedules")
+    if not earlier:
+        return
+    for cells in earlier["tables"][0]["rows"]:
+        if cells[0] not in RUN:
+            table.add(*cells)
+            key = f"{cells[0]} / {cells[1]}"
+            raw[key] = earlier["schedules"].get(key, {})
+    order = {name: i for i, name in enumerate(STUDIES)}
+    table.rows.sort(key=lambda r: order.get(r[0], len(order)))
+
+
+if __name__ == "__main__":
+    main()
