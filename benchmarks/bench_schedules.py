@@ -24,16 +24,17 @@ from typing import Any
 from bench_adaptive import RUN, STUDIES, _config, _row, _study
 from common import Table, markdown, progress, recorded
 
-HELD = (32, 64, 128, 256)  # a batch held from the first step
-STARTS = (16, 32, 64)  # a warmup's starting batch ...
-ENDS = (128, 256, 512)  # ... and the batch it grows to ...
+# a batch held from the first step (BATCHLAB_BENCH_HELD=512: another) ...
+HELD = tuple(int(b) for b in os.environ.get("BATCHLAB_BENCH_HELD", "32,64,128,256").split(","))
+STARTS = (16, 32, 64)  # ... and a warmup's starting batch (BATCHLAB_BENCH_WARMUPS=0: none) ...
+ENDS = (128, 256, 512)  # ... the batch it grows to ...
 SHARES = (0.1, 0.3)  # ... at this share of the run's examples
 
 
 def grid() -> list[list[tuple[float, int]]]:
     held = [[(0.0, b)] for b in HELD]
     warm = [[(0.0, s), (x, e)] for s in STARTS for e in ENDS for x in SHARES if e > s]
-    return held + warm
+    return held + (warm if os.environ.get("BATCHLAB_BENCH_WARMUPS", "1") != "0" else [])
 
 
 def label(schedule: list[tuple[float, int]]) -> str:
@@ -73,18 +74,18 @@ def main() -> dict[str, Any]:
 
 
 def _keep_earlier(table: Table, raw: dict[str, Any]) -> None:
-    """A run of some studies (BATCHLAB_BENCH_STUDIES) keeps the other studies' rows from
-    benchmarks/results.json, each with its load and the date it was measured."""
+    """A run of some studies or schedules keeps the other rows from benchmarks/results.json, each
+    with its load and the date it was measured."""
     earlier = recorded().get("schedules")
     if not earlier:
         return
     for cells in earlier["tables"][0]["rows"]:
-        if cells[0] not in RUN:
+        key = f"{cells[0]} / {cells[1]}"
+        if key not in raw:
             table.add(*cells)
-            key = f"{cells[0]} / {cells[1]}"
             raw[key] = earlier["schedules"].get(key, {})
     order = {name: i for i, name in enumerate(STUDIES)}
-    table.rows.sort(key=lambda r: order.get(r[0], len(order)))
+    table.rows.sort(key=lambda r: (order.get(r[0], len(order)), "→" in r[1], int(r[1].split()[0])))
 
 
 if __name__ == "__main__":
