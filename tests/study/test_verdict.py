@@ -26,6 +26,17 @@ def test_indistinguishable_results_are_called_so_and_the_fastest_is_recommended(
     assert "No batch size beats another measurably" in result.text and "600 rows" in result.text
 
 
+def test_an_exact_tie_in_f1_goes_to_the_smallest_batch_whatever_order_the_rows_arrive_in() -> None:
+    # a study's rows arrive in its folders' order (bs128 before bs16); the transformer example scores
+    # the same F1 on every seed at several batch sizes
+    same = {0: 0.9913372662144719, 1: 0.9913372662144719, 2: 0.9913372662144719}
+    f1 = {128: dict(same), 16: dict(same), 256: {0: 0.95, 1: 0.951, 2: 0.949}, 32: dict(same)}
+    result = verdict.decide(f1, {16: 2.0, 32: 1.0, 128: 1.5, 256: 1.2}, {b: 1e4 * b for b in f1}, n_test=600)
+    assert result.best == 16 and result.recommended == 32
+    assert "Highest mean test F1: batch 16 (0.9913), tied exactly with 32, 128." in result.text
+    assert result.f1_diff[0] == 0.0 and result.speedup == 2.0
+
+
 def test_consistently_worse_batch_is_excluded_from_the_recommendation() -> None:
     f1 = {16: {0: 0.96, 1: 0.961, 2: 0.962}, 512: {0: 0.90, 1: 0.905, 2: 0.899}}
     result = verdict.decide(f1, {16: 5.0, 512: 0.5}, {16: 1e4, 512: 9e4}, n_test=600)

@@ -136,8 +136,10 @@ def decide(
 ) -> Verdict:
     """`f1[batch][seed]` test F1; `seconds_to_target[batch]` mean training seconds to the target
     val loss (None: not reached); `n_test` rows in the test split."""
-    means = {b: statistics.fmean(by_seed.values()) for b, by_seed in f1.items()}
+    # an exact tie goes to the smallest batch (the most updates), not to the order the rows arrived in
+    means = {b: statistics.fmean(f1[b].values()) for b in sorted(f1)}
     best = max(means, key=lambda b: means[b])
+    tied = [b for b in means if b != best and means[b] == means[best]]
     seeds = min(len(by_seed) for by_seed in f1.values())
     batches = sorted(f1)
     keys = [(a, b) for i, a in enumerate(batches) for b in batches[i + 1 :]]
@@ -165,7 +167,8 @@ def decide(
     lines = [_first_line(verdict, seconds_to_target, bool(reached))]
     lines.append(
         f"Test split: {n_test} rows, so one example moves accuracy by {100 / n_test:.2f} points. "
-        f"Highest mean test F1: batch {best} ({means[best]:.4f})."
+        f"Highest mean test F1: batch {best} ({means[best]:.4f})"
+        + (f", tied exactly with {_listed(tied)}." if tied else ".")
     )
     if seeds < 2:
         lines.append(
