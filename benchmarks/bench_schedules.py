@@ -5,8 +5,8 @@ study's own tests (study/adaptive.py, Holm over every comparison), as bench_adap
 
 A rule that reads the noise scale ends up taking some schedule of this kind, and pays for its
 readings besides; so a goal no schedule here meets is one no such rule meets on that study either
-(within the grid: starts 16-128, one grow to 2-32x at 10% or 30% of the run's examples, and each
-batch held from the start). The goals: not measurably slower to the target than the fastest fixed
+(within the grid: a batch of 32-512 held from the first step, or a start of 16-64 grown once to
+128-512 at 10% or 30% of the run's examples). The goals: not measurably slower to the target than the fastest fixed
 batch, not measurably worse in test F1 than the best-F1 one, at least 40% fewer optimizer steps to
 the target than that one.
 
