@@ -136,12 +136,12 @@ def decide(
 ) -> Verdict:
     """`f1[batch][seed]` test F1; `seconds_to_target[batch]` mean training seconds to the target
     val loss (None: not reached); `n_test` rows in the test split."""
-    # an exact tie goes to the smallest batch (the most updates), not to the order the rows arrived in
-    means = {b: statistics.fmean(f1[b].values()) for b in sorted(f1)}
-    best = max(means, key=lambda b: means[b])
-    tied = [b for b in means if b != best and means[b] == means[best]]
-    seeds = min(len(by_seed) for by_seed in f1.values())
     batches = sorted(f1)
+    # an exact tie goes to the smallest batch (the most updates), not to the order the rows arrived in
+    means = {b: statistics.fmean(f1[b].values()) for b in batches}
+    best = max(means, key=lambda b: means[b])
+    tied = [b for b in batches if b != best and means[b] == means[best]]
+    seeds = min(len(by_seed) for by_seed in f1.values())
     keys = [(a, b) for i, a in enumerate(batches) for b in batches[i + 1 :]]
     p_values = {(a, b): paired_p_value(f1[a], f1[b]) for a, b in keys}
     rejected, thresholds = holm(p_values), holm_thresholds(p_values)
