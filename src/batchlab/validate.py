@@ -181,18 +181,36 @@ def factory_builds(cfg: Config, root: Path = Path(".")) -> None:
     """model.factory imported, called and run on one batch of the data's shape, in a child process
     (torch stays out of this one): a ConfigError with its one line when it fails."""
     import json
-    import subprocess
-    import sys
 
     from batchlab.data import raw_table
 
     raw = raw_table(cfg.data)
     shape = list(raw.x.shape[1:])  # one example's, as the prepared split will hold it
     args = [cfg.model.model_dump_json(), json.dumps(shape), str(len(raw.class_names)), str(root.resolve())]
-    proc = subprocess.run([sys.executable, "-m", "batchlab.model.factory", *args], capture_output=True, text=True)
+    in_child("batchlab.model.factory", args)
+
+
+def in_child(module: str, args: list[str]) -> None:
+    """`python -m module args` (a check that needs torch, away from this torch-free process): its
+    last line of error as a ConfigError when it fails."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True)
     if proc.returncode != 0:
         lines = (proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}").splitlines()
         raise ConfigError(lines[-1].removeprefix("batchlab: error: "))
+
+
+def runs_here(cfg: Config) -> None:
+    """train.device, precision and strategy against this machine's devices (a CUDA device, its
+    count, bf16 and fp16 support), checked in a child process (torch stays out of this one) so that
+    a run this machine cannot make stops here, before any stage, not in train or after the sweep.
+    Params that can only run on the CPU (device cpu, or auto at fp32 on one process) need no look."""
+    train = cfg.train
+    if train.device == "cpu" or (train.device == "auto" and train.precision == "fp32" and train.strategy == "single"):
+        return
+    in_child("batchlab.training.support", [train.model_dump_json()])
 
 
 def dask_address(address: str | None) -> None:
@@ -219,6 +237,7 @@ def validate(cfg: Config, root: Path = Path(".")) -> None:
         factory_source(cfg.model.factory, root)
         factory_builds(cfg, root)
     dask_address(cfg.sweep.dask_address)
+    runs_here(cfg)
     n_train = train_rows(cfg.data, root)
     if n_train is not None:
         batches_fit(cfg, n_train)

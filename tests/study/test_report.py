@@ -190,3 +190,36 @@ def test_the_headline_names_the_recommended_batch_and_why_in_two_lines() -> None
     assert figures["recommended_speedup"] == verdict.speedup and figures["recommended_f1_minus_best"] == 0.0
     assert second.startswith("Beaten measurably in F1: 256 by 16, 64; critical batch size ")
     assert f"{found.fit.b_crit:.0f}" in second
+
+
+def test_a_sweep_without_a_throughput_table_reads_its_clock_from_the_experiments_epochs(tmp_path: Path) -> None:
+    """DDP/FSDP: each batch size's samples/s is the median of its experiments' (the slowest and fastest
+    beside it), an adaptive row's left out; the report opens on how it trained and says what its clock is."""
+    from batchlab.study import clock
+
+    speeds = {16: [900.0, 1000.0, 1300.0], 64: [4000.0, 3000.0]}
+    results = [{**_result(b, s), "samples_per_s": v} for b, vs in speeds.items() for s, v in enumerate(vs)]
+    results.append({**_result(16, 9), "adaptive": True, "samples_per_s": 99.0})
+    run = {"strategy": "fsdp", "nproc": 2, "nnodes": 1, "precision": "fp16", "grad_accum_steps": 2}
+    epochs = clock.from_epochs(results, run)
+    assert epochs["source"] == "epochs" and epochs["strategy"] == "fsdp"
+    assert [
+        (r["batch_size"], r["samples_per_s"], r["samples_per_s_low"], r["samples_per_s_high"], r["experiments"])
+        for r in epochs["rows"]
+    ] == [(16, 1000.0, 900.0, 1300.0, 3), (64, 3500.0, 3000.0, 4000.0, 2)]
+    study = analysis.analyse([_result(b, s) for b in (16, 64) for s in (0, 1)], 100, None, None)
+    context = {
+        "run": run,
+        "clock": epochs,
+        "lr_scaling": "sqrt",
+        "base_batch": 32,
+        "optimizer": "adamw",
+        "epochs": 4,
+        "memory_budget_mb": None,
+    }
+    text = report.markdown(study, context)
+    assert text.splitlines()[2] == (
+        "Trained with train.strategy fsdp on 2 processes (1 machine(s)), precision fp16, 2 accumulation steps a batch."
+    )
+    assert "## The clock: each experiment's epochs" in text and "| 16 | 1000 | 900–1300 | 3 |" in text
+    assert "throughput side by side" not in text

@@ -185,8 +185,10 @@ def headline(study: Study) -> str:
 
 
 def markdown(study: Study, context: dict[str, Any]) -> str:
-    parts = [
-        "# Batch-size study\n",
+    parts = ["# Batch-size study\n"]
+    if context.get("run"):
+        parts.append(trained_with(context["run"]) + "\n")
+    parts += [
         table(study),
         "## Verdict\n",
         study.verdict.text + "\n",
@@ -197,7 +199,7 @@ def markdown(study: Study, context: dict[str, Any]) -> str:
     if study.adaptive is not None:
         parts += ["## Adaptive batch size\n", adaptive.study_text(study) + "\n"]
     if context.get("clock"):
-        parts += ["## The clock: throughput side by side\n", clock.text(context["clock"]) + "\n"]
+        parts += [clock.heading(context["clock"]) + "\n", clock.text(context["clock"]) + "\n"]
     if context.get("local_cbs"):
         parts.append(local_cbs.section(context["local_cbs"], context["local_cbs_tolerance"], b_crit_interval(study)))
     extra = " ".join(t for t in (lr_text(study), budget_text(study, context["memory_budget_mb"])) if t)
@@ -211,6 +213,14 @@ def markdown(study: Study, context: dict[str, Any]) -> str:
         "peak RSS is the whole process, set mostly by the torch runtime.\n"
     )
     return "\n".join(parts)
+
+
+def trained_with(run: dict[str, Any]) -> str:
+    """The report's first line: how every experiment trained (train.strategy, processes, precision)."""
+    processes = run["nproc"] * run["nnodes"]
+    where = "one process" if run["strategy"] == "single" else f"{processes} processes ({run['nnodes']} machine(s))"
+    accum = f", {run['grad_accum_steps']} accumulation steps a batch" if run["grad_accum_steps"] > 1 else ""
+    return f"Trained with train.strategy {run['strategy']} on {where}, precision {run['precision']}{accum}."
 
 
 def b_crit_interval(study: Study) -> tuple[float, float, float] | None:

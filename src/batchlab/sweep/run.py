@@ -17,7 +17,7 @@ from typing import Any
 from batchlab import atomic, data, tracking
 from batchlab.config import Config
 from batchlab.paths import Paths
-from batchlab.study import analysis, local_cbs, report
+from batchlab.study import analysis, clock, local_cbs, report
 from batchlab.sweep import branches, executors, experiment, groups, plan, progress, speeds, truth
 from batchlab.sweep import state as sweep_state
 from batchlab.sweep.lock import exclusive
@@ -151,18 +151,21 @@ def finish(
     n_test = int(dataset.test.y.shape[0])
     result = analysis.analyse(scored, n_test, cfg.sweep.target_val_loss, cfg.sweep.memory_budget_mb)
     points = local_points(cfg, paths, dataset)
+    run = training_setup(cfg)
+    # what its seconds were read from: the side-by-side table, or (DDP/FSDP) each experiment's epochs
+    timing = sweep.clock.to_dict() if sweep.clock is not None else clock.from_epochs(ordered, run)
     context = {
+        "run": run,
         "lr_scaling": cfg.sweep.lr_scaling,
         "base_batch": cfg.train.batch_size,
         "optimizer": cfg.train.optimizer,
         "epochs": cfg.sweep.epochs or cfg.train.epochs,
         "memory_budget_mb": cfg.sweep.memory_budget_mb,
-        "clock": sweep.clock.to_dict() if sweep.clock is not None else None,
+        "clock": timing,
         "local_cbs": points,
         "local_cbs_tolerance": cfg.sweep.local_cbs_tolerance,
     }
-    if sweep.clock is not None:  # the report's copy of the table its seconds were read from
-        atomic.write_json(folder / speeds.TABLE, sweep.clock.to_dict())
+    atomic.write_json(folder / speeds.TABLE, timing)  # the report's copy of its clock, on every strategy
     markdown = report.write(result, folder, context)
     figures = {
         **result.figures(),
@@ -186,6 +189,18 @@ def finish(
         parent.log_artifact(file, "sweep")
     sweep_state.save(paths, sweep, wall, attempt_started_at=None, reported=sweep_state.digest(ordered))
     return summary
+
+
+def training_setup(cfg: Config) -> dict[str, Any]:
+    """How the experiments trained, as the report and its clock name it."""
+    train = cfg.train
+    return {
+        "strategy": train.strategy,
+        "nproc": train.nproc,
+        "nnodes": train.nnodes,
+        "precision": train.precision,
+        "grad_accum_steps": train.grad_accum_steps,
+    }
 
 
 def local_points(cfg: Config, paths: Paths, dataset: data.Dataset) -> list[local_cbs.Point]:

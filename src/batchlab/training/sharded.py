@@ -115,6 +115,13 @@ def skeleton(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def flat_full(model: nn.Module) -> torch.Tensor:
+    """Every parameter of a sharded model in full, flattened in the model's order (a collective:
+    each DTensor is all-gathered, so every rank calls it)."""
+    full = [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return torch.cat([t.detach().reshape(-1) for t in full])
+
+
 def gather_full(model: nn.Module, empty: nn.Module, is_main: bool) -> nn.Module:
     """The unsharded model, its full state_dict gathered on rank 0 (a collective: every rank
     calls it). Other ranks get `empty` (meta tensors): any use of it fails instead of being wrong."""

@@ -1,10 +1,9 @@
 """Device, DDP or FSDP, precision and gradient scaling, decided once.
 
-Every member is safe to call whatever the settings: `autocast()` is a null context in
-fp32, the scaler is disabled unless fp16, `prepare` and `setup` return the model itself on one
-process, `unwrap` returns what is saved and exported. Outside this module only launch.py (how
-ranks start) branches on the strategy; FSDP's parts live in sharded.py, and what this machine can
-run, decided from the config before any process starts, in support.py.
+Every member is safe to call whatever the settings: `autocast()` is a null context in fp32, the scaler
+is disabled unless fp16, `prepare` and `setup` return the model itself on one process, `unwrap` returns
+what is saved and exported. Outside this module only launch.py (how ranks start) branches on the
+strategy; FSDP's parts live in sharded.py, what this machine can run (before any process) in support.py.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.nn.utils import get_total_norm
+from torch.nn.utils import get_total_norm, parameters_to_vector
 
 from batchlab.config import TrainConfig
 from batchlab.training import peaks
@@ -80,8 +79,7 @@ class Strategy:
         """Single process, or one rank of a group started by torchrun (RANK/WORLD_SIZE set).
         stages.train has run check_supported before starting it."""
         device = resolve_device(cfg)
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
+        world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if world_size > 1:
             if device.type == "cuda":
@@ -104,12 +102,10 @@ class Strategy:
         return self.world_size > 1
 
     @property
-    def fsdp(self) -> bool:
-        """Parameters, gradients and optimizer state are split across ranks (sharded, more than one)."""
+    def fsdp(self) -> bool:  # parameters, gradients and optimizer state split across ranks
         return self.sharded and self.is_distributed
 
-    def divergence_hint(self) -> str:
-        """What to change when the loss went non-finite with clean data."""
+    def divergence_hint(self) -> str:  # what to change when the loss went non-finite with clean data
         return "lower train.lr or use train.precision fp32/bf16" if self.precision == "fp16" else "lower train.lr"
 
     def autocast(self) -> contextlib.AbstractContextManager[object]:
@@ -136,6 +132,14 @@ class Strategy:
 
         return sharded.gather_full(model, self._skeleton, self.is_main)
 
+    def flat_weights(self, model: nn.Module) -> torch.Tensor:
+        """The plain model's parameters as one flat copy (FSDP: each shard gathered whole on every rank)."""
+        if not self.fsdp:
+            return parameters_to_vector(model.parameters()).detach().clone()
+        from batchlab.training import sharded
+
+        return sharded.flat_full(model)  # a collective: every rank calls it
+
     def checkpoint(self, path: Path | None, fingerprint: str) -> Checkpoint | ShardedCheckpoint:
         """Where `fit` resumes from and saves to: one file written by rank 0, or under FSDP a DCP
         folder beside it (train.pt -> train.dcp) that every rank writes its shards into."""
@@ -154,13 +158,11 @@ class Strategy:
         probe_every: int | None = None,
         train_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> nn.Module:
-        """Ready `model` (on the device) for training: what the loop calls forward on. One process:
-        every gradient becomes a view of one flat buffer, so the norm and the zeroing are one op each
-        (~25% of a small model's step). DDP: the wrapped model, which owns its gradient buckets.
-        FSDP: the model `prepare` sharded. With an enabled `noise`, steps also measure the noise scale
-        into it (gns.py; gns_probes.FullSplitProbe, every `probe_every` steps if given): the mean gradient (of
-        `loss_fn`) over `train_rows` (the train split, on the device) at fixed weights, its rows
-        split over DDP's ranks. Not under FSDP (its forward gathers the shards)."""
+        """Ready `model` (on the device) for training: what the loop calls forward on. One process: every
+        gradient a view of one flat buffer, so the norm and the zeroing are one op each (~25% of a small
+        model's step). DDP: the wrapped model, which owns its gradient buckets. FSDP: the model `prepare`
+        sharded. With an enabled `noise` (not under FSDP), steps also measure the noise scale into it (gns.py;
+        FullSplitProbe every `probe_every` steps if given) over `train_rows`, split over DDP's ranks."""
         self.reset_peak_memory()
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._flat_grads = None
@@ -279,12 +281,10 @@ class Strategy:
             ) from err
 
     def reset_peak_memory(self) -> None:
-        """Start a fresh peak: a sweep runs experiments one after another in one process."""
-        peaks.reset(self.device)
+        peaks.reset(self.device)  # a fresh peak: a sweep runs experiments one after another in one process
 
     def peak_memory_mb(self) -> float:
-        """Peak CUDA allocation, or the process's peak resident memory (RSS) on CPU."""
-        return peaks.peak_mb(self.device)
+        return peaks.peak_mb(self.device)  # peak CUDA allocation, or the process's peak RSS on CPU
 
     def close(self) -> None:
         if self.is_distributed and dist.is_initialized():

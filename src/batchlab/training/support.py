@@ -4,6 +4,8 @@ can train together."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from batchlab.config import Config, ConfigError, TrainConfig
@@ -54,3 +56,18 @@ def seeds_train_apart(config: Config) -> str | None:
     if resolve_device(cfg).type != "cpu":
         return "a CUDA device: the vectorized path is checked equal to separate runs on the CPU only"
     return None
+
+
+def main(argv: list[str]) -> int:
+    """`python -m batchlab.training.support TRAIN_JSON`: check_supported on this machine (what
+    `batchlab validate` runs, away from its own torch-free process)."""
+    try:
+        check_supported(TrainConfig.model_validate_json(argv[0]))
+    except ConfigError as err:
+        print(f"batchlab: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -110,7 +110,7 @@ class Table:
         return [*self.fit, self.probe_seconds]
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = {"source": "table", **asdict(self)}  # what the study's seconds were read from (study/clock.py)
         out["rows"] = [self.row(e.batch_size) for e in self.entries]  # what a reader wants, derived
         out["probe_seconds"] = self.probe_seconds
         return out

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parameters_to_vector
 
 from batchlab import collector
 from batchlab.config import Config, TrainConfig
@@ -207,7 +206,7 @@ def _epoch(
         start, state.steps, state.examples = start + batch, state.steps + 1, state.examples + batch
         if tc.eval_every_steps and state.steps % tc.eval_every_steps == 0:
             scoring = time.perf_counter()
-            weights = parameters_to_vector(trainee.model.parameters()).detach().clone() if tc.curve_weights else None
+            weights = strategy.flat_weights(trainee.model) if tc.curve_weights else None
             val_loss = F.cross_entropy(predict_logits(trainee.model, val[0], strategy), val[1])
             done.scored.append((state.steps, val_loss, weights))
             net.train()  # predict_logits left the model in eval mode
