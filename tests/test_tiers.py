@@ -62,3 +62,24 @@ def test_tests_taking_a_module_scoped_fixture_are_one_work_unit(tmp_path: Path) 
     )
     assert work_unit("test_m.py::test_a", tmp_path) == work_unit("test_m.py::test_b[x]", tmp_path) == "test_m.py"
     assert work_unit("test_m.py::test_c", tmp_path) == "test_m.py::test_c"
+
+
+def test_a_tier_over_its_budget_is_warned_of_beside_its_test_time(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The summary prints each tier's summed test time beside its budget, and a warning, not a
+    failure, when the tier passes it."""
+    from tests.support import tiers
+
+    monkeypatch.setitem(tiers.BUDGET_S, "unit", 0.05)
+    result = _inner(pytester, "import time\n\ndef test_slow():\n    time.sleep(0.2)\n\ndef test_quick():\n    pass\n")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*unit*2 tests*s of test time (budget 0 s)*",
+            "*WARNING: the unit tier took 0 s of test time, over its budget of 0 s*",
+        ]
+    )
+    monkeypatch.setitem(tiers.BUDGET_S, "unit", 100.0)
+    result = _inner(pytester, "def test_quick():\n    pass\n")
+    assert "WARNING: the unit tier" not in result.stdout.str() and "(budget 100 s)" in result.stdout.str()

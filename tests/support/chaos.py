@@ -64,6 +64,18 @@ def schedule(seed: int) -> list[Fault]:
             for k in kinds]  # fmt: skip
 
 
+SOAK = 20  # benchmarks/bench_chaos.py's schedules, 1..20
+
+
+def commit_schedule() -> int:
+    """The schedule CI runs for the commit under test: its number of commits modulo the soak's 20, so
+    that successive commits step through every schedule (1 where git cannot say)."""
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(["git", "rev-list", "--count", "HEAD"], cwd=repo, capture_output=True, text=True)
+    count = proc.stdout.strip()
+    return int(count) % SOAK + 1 if proc.returncode == 0 and count.isdigit() else 1
+
+
 def describe(seed: int) -> str:
     named = [f"{f.kind}{f' {f.worker}' if 'worker' in f.kind else ''} after {f.pause_s} s" for f in schedule(seed)]
     faults = ", ".join(named)

@@ -26,6 +26,10 @@ from typing import Any
 import pytest
 
 TIERS = ("unit", "integration", "e2e")
+# each tier's summed test time, over both workers, that keeps `.ci/run` (set-up included) inside 20
+# minutes on this machine's 2 cores: the summary warns when a tier passes it (a warning, not a
+# failure: timings move with the load), so growth shows in the landing that causes it
+BUDGET_S = {"unit": 200.0, "integration": 900.0, "e2e": 1100.0}
 DURATIONS = Path(__file__).resolve().parents[1] / "durations.json"
 UNKNOWN_S = 1.0  # a test with no recorded duration is handed out as a 1 s one
 
@@ -202,7 +206,14 @@ class _Summary:
         write(f"batchlab tiers: {time.monotonic() - self.started:.0f} s wall; at start {self.load}; at end {_load()}")
         for tier in TIERS:
             if self.counts[tier]:
-                write(f"  {tier:<12} {self.counts[tier]:4d} tests  {self.seconds[tier]:7.0f} s of test time")
+                used, budget = self.seconds[tier], BUDGET_S[tier]
+                write(f"  {tier:<12} {self.counts[tier]:4d} tests  {used:7.0f} s of test time (budget {budget:.0f} s)")
+                if used > budget:
+                    write(
+                        f"  WARNING: the {tier} tier took {used:.0f} s of test time, over its budget of {budget:.0f} s "
+                        "(tests/support/tiers.py BUDGET_S): the slowest below are where it went",
+                        yellow=True,
+                    )
         out = os.environ.get("BATCHLAB_DURATIONS_OUT")
         if out:  # `make test-durations`: merge this run's figures into the file's (or the recorded ones)
             path = Path(out)
