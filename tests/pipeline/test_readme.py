@@ -30,6 +30,10 @@ NOT_RUN = {
     "PREFECT_API_DATABASE_CONNECTION_URL=": "serves until stopped",
     "PREFECT_API_URL=": "serves until stopped; tests/orchestration/test_schedule.py",
     ".venv/bin/dvc exp run -S train.strategy=ddp -S train.nnodes=2": "two machines: test_ddp.py two launchers",
+    ".venv/bin/dvc exp run -S train.strategy=ddp -S train.nproc=2": "tests/pipeline/test_dvc_matrix.py runs DDP "
+    "(bf16, accumulation) through dvc repro on tiny params",
+    ".venv/bin/dvc exp run -S train.strategy=fsdp -S train.nproc=2": "tests/pipeline/test_dvc_matrix.py (fp16)",
+    ".venv/bin/dvc exp run -S train.precision=bf16": "tests/pipeline/test_dvc_matrix.py (with DDP)",
     ".venv/bin/dvc exp run --queue": "runs in the background: tests/pipeline/test_dvc_queue.py runs a queued grid",
     'PATH="$PWD/.venv/bin:$PATH" .venv/bin/dvc queue start': "runs in the background: tests/pipeline/test_dvc_queue.py",
     ".venv/bin/batchlab --params params-node1.yaml": "two machines: tests/training/test_ddp.py two launchers",
