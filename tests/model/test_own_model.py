@@ -4,7 +4,6 @@ line naming the key."""
 
 from __future__ import annotations
 
-import json
 import textwrap
 from pathlib import Path
 
@@ -157,30 +156,6 @@ def test_a_batchnorm_model_trains_and_says_why_it_has_no_noise_scale(workdir: Pa
         "batchlab: error: models/model.pt: no noise scale for a model with BatchNorm1d (a row's gradient depends "
         "on its batch's statistics)"
     ]
-
-
-@pytest.mark.integration
-def test_a_users_module_goes_through_dvc_repro_the_sweep_and_predict(repo_copy: Path) -> None:
-    """usermodels/residual.py (a custom nn.Module with a residual connection and GroupNorm) on the
-    digits as images: the whole pipeline, the study and predict; an edit to it reruns train."""
-    set_params(repo_copy, "data", source="digits_images")
-    set_params(repo_copy, "model", factory="usermodels.residual:build", kwargs={"width": 8})
-    set_params(repo_copy, "sweep", batch_sizes=[16, 64], seeds=[0, 1], epochs=3)
-    (repo_copy / "dvc.lock").unlink()
-    proc = run(["dvc", "repro"], repo_copy)
-    said = proc.stdout + proc.stderr
-    assert "sweep: bs16-seed0, bs16-seed1 train together" in said  # through vmap (seeds/functional.py)
-    summary = json.loads((repo_copy / "reports/sweep/sweep.json").read_text())
-    assert summary["recommended_batch_size"] in (16, 64) and summary["b_simple_exact_at_target"] > 0
-    proc = run(["batchlab", "predict", "--model", "models/model.onnx", "--input", "data/prepared/examples.npy"],
-               repo_copy)  # fmt: skip
-    assert len(proc.stdout.splitlines()) == 21
-    with (repo_copy / "usermodels/residual.py").open("a") as code:
-        code.write("# an edit\n")
-    status = run(["dvc", "status", "train"], repo_copy).stdout
-    assert "usermodels" in status and "modified" in status, status
-    proc = run(["dvc", "repro", "sweep"], repo_copy)  # measured by other code: measured again
-    assert "already finished" not in proc.stdout + proc.stderr and "sweep: 4/4 experiments done" in proc.stderr
 
 
 @pytest.mark.integration
