@@ -37,7 +37,7 @@ def generate(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
     dataset, scaler = data.build(cfg.data)
     summary = data.save(dataset, scaler, paths.data, generate_inputs_key(cfg))
     log.info("generate: %s rows %s, hash %s", cfg.data.source,
-             {k: v["rows"] for k, v in summary["splits"].items()}, summary["content_hash"])  # fmt: skip
+             {k: v["rows"] for k, v in summary["splits"].items()}, summary["content_hash"])
     return summary
 
 
@@ -131,7 +131,7 @@ def export(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:
         if int8 is not None:
             tracker.log_metrics({"int8_file_bytes": int8["int8_bytes"], "int8_f1_drop": int8["f1_drop"],
                                  "int8_onnxruntime_batch1_us": int8["latency_us"]["int8_batch1"],
-                                 "int8_onnxruntime_full_us": int8["latency_us"]["int8_full"]})  # fmt: skip
+                                 "int8_onnxruntime_full_us": int8["latency_us"]["int8_full"]})
             tracker.log_artifact(int8["file"], "export")
         tracker.log_onnx_model(paths.onnx)
         # the predictor takes raw examples (rows by column name, images, token ids): its input example

@@ -67,20 +67,20 @@ def batches_fit(cfg: Config, n_train: int) -> None:
     if cfg.sweep.local_cbs:
         if cfg.train.strategy != "single":
             raise ConfigError(f"sweep.local_cbs branches on one process; train.strategy is {cfg.train.strategy}: set "
-                              "train.strategy: single for the study, or sweep.local_cbs: false")  # fmt: skip
+                              "train.strategy: single for the study, or sweep.local_cbs: false")
         if cfg.train.precision == "fp16":
             raise ConfigError("sweep.local_cbs branches without fp16's grad scaler: set train.precision bf16 or "
-                              "fp32 for the study, or sweep.local_cbs: false")  # fmt: skip
+                              "fp32 for the study, or sweep.local_cbs: false")
         if (cfg.sweep.epochs or cfg.train.epochs) < 2:
             raise ConfigError("sweep.local_cbs branches at an epoch's end inside the run: it needs sweep.epochs "
-                              "(or train.epochs) of at least 2")  # fmt: skip
+                              "(or train.epochs) of at least 2")
         base, multipliers = cfg.train.batch_size, cfg.sweep.local_cbs_multipliers
         too_big = [k for k in multipliers if k * base > n_train]
         if too_big:
             fit = [k for k in multipliers if k * base <= n_train]
             raise ConfigError(f"sweep.local_cbs_multipliers {too_big} make branches larger than the train split "
                               f"({n_train} rows at train.batch_size {base}): use at most {n_train // base}, e.g. "
-                              f"{fit}")  # fmt: skip
+                              f"{fit}")
 
 
 def csv_inside_raw(cfg: DataConfig) -> None:
@@ -143,7 +143,7 @@ def model_fits_data(cfg: Config, root: Path = Path(".")) -> None:
     source = cfg.data.source if cfg.data.source != "npz" else f"npz ({cfg.data.npz_path})"
     fits = next(name for name, k in MODEL_TAKES.items() if k == kind)
     raise ConfigError(f"model.name {cfg.model.name} takes {KIND_WORDS[takes]}, but data.source {source} gives "
-                      f"{KIND_WORDS[kind]}: use model.name {fits} for this data, or {SOURCES_OF[takes]}")  # fmt: skip
+                      f"{KIND_WORDS[kind]}: use model.name {fits} for this data, or {SOURCES_OF[takes]}")
 
 
 def factory_source(spec: str, root: Path = Path(".")) -> Path | None:
@@ -162,7 +162,7 @@ def factory_source(spec: str, root: Path = Path(".")) -> Path | None:
         found = Path(spec_.origin) if spec_ is not None and spec_.origin not in (None, "built-in") else None
         if spec_ is None:
             raise ConfigError(f"model.factory {spec!r}: no module {module!r} (looked for {candidates[0]} and "
-                              "installed packages)")  # fmt: skip
+                              "installed packages)")
     if found is None:
         return None
     try:

@@ -102,7 +102,7 @@ def check_record(record: RunRecord, repo: Path) -> str:
         raise CannotReproduce(f"run {record.run_id} has no git.commit tag (made outside a git repo?)")
     if record.tags.get("git.dirty") != "false":
         raise CannotReproduce(f"run {record.run_id} was made from a dirty tree (uncommitted changes at {commit[:12]}); "
-                              "no commit holds its code")  # fmt: skip
+                              "no commit holds its code")
     try:
         _git(repo, "cat-file", "-e", f"{commit}^{{commit}}")
     except subprocess.CalledProcessError:

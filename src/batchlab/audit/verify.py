@@ -63,12 +63,12 @@ class _Checker:
         path = Path(self.cache.oid_to_path(oid))
         if not path.is_file():
             self.report.mismatches.append(f"{name}: its cache entry {self.rel(path)} is missing (`dvc commit` or "
-                                          "`dvc pull` brings it back)")  # fmt: skip
+                                          "`dvc pull` brings it back)")
             return None
         content = self.hash(path)
         if content != oid.removesuffix(".dir"):
             self.report.mismatches.append(f"{name}: cache entry {self.rel(path)} holds md5 {content}, "
-                                          f"not {oid.removesuffix('.dir')}")  # fmt: skip
+                                          f"not {oid.removesuffix('.dir')}")
             return None
         return path
 

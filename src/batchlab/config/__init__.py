@@ -161,7 +161,7 @@ def _check_size(raw: dict[str, Any], name: str) -> None:
         seen += 1
         if seen > MAX_VALUES:
             raise ConfigError(f"{name} holds over {MAX_VALUES} values once its YAML aliases are expanded "
-                              "(anchors referring to anchors?); params.yaml is sections of plain keys")  # fmt: skip
+                              "(anchors referring to anchors?); params.yaml is sections of plain keys")
         if depth > MAX_DEPTH:
             raise ConfigError(f"{name} nests values over {MAX_DEPTH} levels deep; params.yaml is sections of keys")
         if isinstance(value, dict):

@@ -18,7 +18,7 @@ Source = Literal["synthetic", "breast_cancer", "digits", "wine", "iris", "csv", 
 
 class DataConfig(Section):
     source: Source = Field("synthetic", description="where examples come from: make_classification, a "
-        "bundled sklearn set, a CSV, your own arrays (npz), the digits as 1x8x8 images, or token ids")  # fmt: skip
+        "bundled sklearn set, a CSV, your own arrays (npz), the digits as 1x8x8 images, or token ids")
     samples: PositiveInt = Field(4000, description="synthetic: number of rows")
     features: PositiveInt = Field(10, description="synthetic: number of feature columns")
     informative: PositiveInt = Field(6, description="synthetic: features that carry signal")
@@ -63,7 +63,7 @@ class ModelConfig(Section):
     heads: PositiveInt = Field(4, description="transformer: attention heads")
     layers: PositiveInt = Field(2, description="transformer: encoder layers (pre-norm, mean-pooled, linear head)")
     factory: str | None = Field(None, description="your own network instead: 'module.path:function', called "
-        "as function(input_shape=(...), n_classes=K, **model.kwargs): a module giving (batch, K) logits")  # fmt: skip
+        "as function(input_shape=(...), n_classes=K, **model.kwargs): a module giving (batch, K) logits")
     kwargs: dict[str, Any] = Field({}, description="model.factory: its keyword arguments")
 
     @model_validator(mode="after")
@@ -97,7 +97,7 @@ class TrainConfig(Section):
     seed: int = Field(0, description="seed for initial weights, shuffling and dropout")
     threads: Annotated[int, Field(ge=0)] = Field(0, description="torch CPU threads per process; 0 = auto: more "
         "than one only when a step's work (model width x batch) pays for them, on cores no other process is busy on, "
-        "within the process's share (sweep.parallel; ddp/fsdp ranks: cores / nproc)")  # fmt: skip
+        "within the process's share (sweep.parallel; ddp/fsdp ranks: cores / nproc)")
     strategy: Literal["single", "ddp", "fsdp"] = Field(
         "single", description="single process, DistributedDataParallel, or FSDP2 (fully_shard: sharded state)"
     )
@@ -109,32 +109,32 @@ class TrainConfig(Section):
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="autocast dtype; fp16 adds a grad scaler")
     grad_accum_steps: PositiveInt = Field(1, description="micro-batches per optimizer step")
     fsdp_units: list[str] = Field([], description="fsdp: module classes sharded one by one (e.g. "
-        "[TransformerEncoderLayer]); [] = each child of the model that holds parameters but the last")  # fmt: skip
+        "[TransformerEncoderLayer]); [] = each child of the model that holds parameters but the last")
     gns: bool = Field(True, description="measure the gradient noise scale B_simple while training (gns.* metrics)")
     gns_every: PositiveInt | None = Field(None, description="probe the noise scale every this many steps "
-        "(null: as often as keeps the probe near 5% of the steps' time; the sweep probes once an epoch)")  # fmt: skip
+        "(null: as often as keeps the probe near 5% of the steps' time; the sweep probes once an epoch)")
     eval_every_steps: Annotated[int, Field(ge=0)] = Field(
         0, description="also score the val split every this many optimizer steps (0 = once per epoch only)"
     )
     curve_weights: bool = Field(False, description="keep the weights at those val points (reports/curve_weights.pt)")
     adaptive_batch: bool = Field(False, description="grow the batch by integer factors while training as the "
-        "measured noise scale rises (docs/adaptive.md); train.batch_size starts it")  # fmt: skip
+        "measured noise scale rises (docs/adaptive.md); train.batch_size starts it")
     max_batch_size: PositiveInt | None = Field(None, description="adaptive_batch: the cap (null: the train split)")
     adapt_rule: Literal["time", "statistical", "schedule"] = Field("time", description="adaptive_batch: time = "
         "the batch that reaches a loss soonest, S(B)·t(B) on the measured step time; statistical: steps + "
-        "examples; schedule: train.adapt_schedule (the sweep's measured local CBS(t))")  # fmt: skip
+        "examples; schedule: train.adapt_schedule (the sweep's measured local CBS(t))")
     adapt_schedule: list[tuple[Annotated[float, Field(ge=0, lt=1)], PositiveInt]] | None = Field(None,
         description="adaptive_batch, schedule rule: [[share of the run's examples, batch], ...]: from each share "
-        "on, the largest batch reachable by doubling up to that one (docs/local-cbs.md)")  # fmt: skip
+        "on, the largest batch reachable by doubling up to that one (docs/local-cbs.md)")
     adapt_every_examples: PositiveInt | None = Field(
         None, description="adaptive_batch: decide every this many examples seen (null: one epoch of the train split)"
     )
     adapt_step_time: list[Annotated[float, Field(ge=0)]] | None = Field(None, description="adaptive_batch, time "
-        "rule: [a, b, p]: seconds a step = a + b·batch, p a noise probe (null: timed as training starts)")  # fmt: skip
+        "rule: [a, b, p]: seconds a step = a + b·batch, p a noise probe (null: timed as training starts)")
     adapt_threshold: Annotated[float, Field(ge=0, lt=1)] = Field(
         0.05, description="adaptive_batch: grow only when that saves more than this fraction (of the time to a "
         "loss, or of steps + examples), at the reading's lower 95% bound"
-    )  # fmt: skip
+    )
     adapt_lr_scaling: Literal["none", "linear", "sqrt"] = Field(
         "sqrt", description="adaptive_batch: the lr's rescaling at each change (the sweep sets sweep.lr_scaling)"
     )
@@ -171,7 +171,7 @@ class TrainConfig(Section):
         batches = [batch for _, batch in self.adapt_schedule or []]
         if shares != sorted(set(shares)) or batches != sorted(batches):
             raise ValueError(f"train.adapt_schedule must rise: shares of the run's examples in [0, 1), increasing, "
-                             f"each with a batch no smaller than the last; got {self.adapt_schedule}")  # fmt: skip
+                             f"each with a batch no smaller than the last; got {self.adapt_schedule}")
         if self.strategy == "fsdp":
             raise ValueError("train.adaptive_batch needs the noise probe, which FSDP has not: use single or ddp")
         step_time = self.adapt_step_time

@@ -41,25 +41,25 @@ class SweepConfig(Section):
         4096, description="exact noise scale at the target when the train split has at most this many rows (0: never)"
     )
     adaptive: bool = Field(False, description="add an adaptive row: train.adaptive_batch from the smallest "
-        "batch size to the largest, the same seeds, data, epochs and target, compared paired by seed")  # fmt: skip
+        "batch size to the largest, the same seeds, data, epochs and target, compared paired by seed")
     local_cbs: bool = Field(False, description="also measure the local critical batch size through training: "
-        "branch train.batch_size's run at sweep.local_cbs_points with each multiplier (docs/local-cbs.md)")  # fmt: skip
+        "branch train.batch_size's run at sweep.local_cbs_points with each multiplier (docs/local-cbs.md)")
     local_cbs_points: list[Annotated[float, Field(gt=0, lt=1)]] = Field(
         [0.1, 0.25, 0.5, 0.75], description="local_cbs: where to branch, as fractions of the run's examples (each "
         "snapped to an epoch's end)",
-    )  # fmt: skip
+    )
     local_cbs_multipliers: list[PositiveInt] = Field(
         [1, 2, 4, 8, 16], description="local_cbs: each branch's batch is train.batch_size times one of these (1 is "
         "the base branch every other is compared with)",
-    )  # fmt: skip
+    )
     local_cbs_fraction: Annotated[float, Field(gt=0, le=1)] = Field(
         0.2, description="local_cbs: the examples each branch trains, as a fraction of the run's (the same for every "
         "multiplier)",
-    )  # fmt: skip
+    )
     local_cbs_tolerance: Annotated[float, Field(ge=0, lt=1)] = Field(
         0.1, description="local_cbs: a batch is within the critical batch size while its branch keeps at least "
         "1 - this of the base branch's own fall in val loss (tested over seeds, Holm)",
-    )  # fmt: skip
+    )
     executor: Literal["local", "dask"] = Field(
         "local", description="local: sweep.parallel processes here; dask: one Prefect task per experiment on a cluster"
     )
@@ -95,7 +95,7 @@ class SweepConfig(Section):
     def _local_cbs_multipliers(cls, v: list[int]) -> list[int]:
         if 1 not in v or len(v) < 2 or len(set(v)) != len(v):
             raise ValueError(f"sweep.local_cbs_multipliers must list 1 (the base branch) and at least one larger "
-                             f"multiplier, without duplicates, e.g. [1, 2, 4, 8, 16]; got {v}")  # fmt: skip
+                             f"multiplier, without duplicates, e.g. [1, 2, 4, 8, 16]; got {v}")
         return sorted(v)
 
     @model_validator(mode="after")

@@ -151,7 +151,7 @@ def _scaled(
         names = feature_names if kind == "rows" else [str(c) for c in range(bad.size)]
         where = [name for name, b in zip(names, bad.ravel(), strict=True) if b]
         raise DataError(f"{source}: scaling gave non-finite values in {what} {where} "
-                        f"(values too large for float64/float32?); rescale those {what} first")  # fmt: skip
+                        f"(values too large for float64/float32?); rescale those {what} first")
     return scaled, {"mean": mean.ravel().tolist(), "std": std.ravel().tolist()}
 
 
@@ -285,7 +285,7 @@ def shape(folder: str | Path) -> Shape:
         rows = {name: int(meta["splits"][name]["rows"]) for name in SPLITS}
         input_shape = tuple(int(n) for n in meta.get("input_shape", [len(meta["feature_names"])]))
         return Shape(math.prod(input_shape), len(meta["class_names"]), rows, input_shape, meta.get("kind", "rows"),
-                     int(meta.get("vocab", 0)))  # fmt: skip
+                     int(meta.get("vocab", 0)))
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise DataError(f"{meta_path} is damaged ({type(err).__name__}); {REGENERATE}") from err
 

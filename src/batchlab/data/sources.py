@@ -31,7 +31,7 @@ class DataError(ValueError):
 # (encrypted, an unknown compression), a header whose shape is too large to map or to allocate, or
 # that numpy's tokenizer cannot read
 UNREADABLE_ARRAYS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError,
-                     RuntimeError, OverflowError, MemoryError, tokenize.TokenError)  # fmt: skip
+                     RuntimeError, OverflowError, MemoryError, tokenize.TokenError)
 
 
 def unreadable_array(name: str, what: str, err: BaseException) -> DataError:
@@ -80,7 +80,7 @@ def raw_table(cfg: DataConfig) -> Raw:
     if cfg.source == "digits_images":
         bunch = skdatasets.load_digits()
         return Raw(bunch.images[:, None].astype(np.float64), bunch.target, [], [str(n) for n in bunch.target_names],
-                   "images")  # fmt: skip
+                   "images")
     bunch = getattr(skdatasets, f"load_{cfg.source}")()
     return Raw(bunch.data, bunch.target, [str(n) for n in bunch.feature_names], [str(n) for n in bunch.target_names])
 
@@ -107,7 +107,7 @@ def read_npz(path: Path) -> Raw:
             missing = [k for k in ("x", "y") if k not in arrays.files]
             if missing:
                 raise DataError(f"{path.name} has no array {missing[0]!r}; it needs x (N, ...) and y (N labels), "
-                                f"has {arrays.files}")  # fmt: skip
+                                f"has {arrays.files}")
             x, y = arrays["x"], arrays["y"]
             vocab = arrays["vocab"] if "vocab" in arrays.files else None
     except UNREADABLE_ARRAYS as err:
@@ -118,7 +118,7 @@ def read_npz(path: Path) -> Raw:
         x = token_ids(path.name, x, y, vocab)
     if y.ndim != 1 or x.ndim not in (2, 3, 4) or len(x) != len(y):
         raise DataError(f"{path.name}: x has shape {x.shape} and y {y.shape}; need x (N, F), (N, H, W) or "
-                        "(N, C, H, W) and y (N,) with the same N")  # fmt: skip
+                        "(N, C, H, W) and y (N,) with the same N")
     if 0 in x.shape[1:]:
         raise DataError(f"{path.name}: x has shape {x.shape}, examples of no values; need at least one feature")
     if not (np.issubdtype(x.dtype, np.number) and not np.issubdtype(x.dtype, np.complexfloating)):
@@ -132,7 +132,7 @@ def read_npz(path: Path) -> Raw:
     if np.issubdtype(y.dtype, np.inexact) and not np.isfinite(y).all():  # NaN is no class (nor equal to itself)
         first = int(np.argmin(np.isfinite(y)))
         raise DataError(f"{path.name}: y holds NaN or infinite labels (first in example {first}); labels are class "
-                        "ids or names")  # fmt: skip
+                        "ids or names")
     classes = sorted(np.unique(y).tolist(), key=str)
     if len(classes) < 2:
         raise DataError(f"{path.name}: y has a single class ({classes[0]!r}); need at least 2")
@@ -154,20 +154,20 @@ def token_ids(name: str, x: np.ndarray, y: np.ndarray, vocab: np.ndarray) -> np.
     (N, T) integers, each in 0 .. vocab-1; one line naming what is wrong otherwise."""
     if vocab.ndim != 0 or vocab.dtype == np.bool_ or not np.issubdtype(vocab.dtype, np.integer):
         raise DataError(f"{name}: vocab must be one integer (the number of token ids), got {vocab.dtype} of "
-                        f"shape {vocab.shape}")  # fmt: skip
+                        f"shape {vocab.shape}")
     if not 2 <= int(vocab) <= MAX_VOCAB:
         raise DataError(f"{name}: vocab must be between 2 and {MAX_VOCAB} (ids travel as float32), got {int(vocab)}")
     if x.ndim != 2 or y.ndim != 1 or len(x) != len(y) or 0 in x.shape:
         raise DataError(f"{name}: x has shape {x.shape} and y {y.shape}; token ids need x (N, T) and y (N,) with "
-                        "the same N, T at least 1")  # fmt: skip
+                        "the same N, T at least 1")
     if x.dtype == np.bool_ or not np.issubdtype(x.dtype, np.integer):
         raise DataError(f"{name}: x holds {x.dtype} values, but with a vocab it is token ids: save it as integers "
-                        "(e.g. x.astype(np.int64))")  # fmt: skip
+                        "(e.g. x.astype(np.int64))")
     bad = (x < 0) | (x >= int(vocab))
     if bad.any():
         row, col = (int(i) for i in np.argwhere(bad)[0])
         raise DataError(f"{name}: x holds token id {int(x[row, col])} (example {row}, position {col}), outside "
-                        f"0 .. vocab-1 = 0 .. {int(vocab) - 1}")  # fmt: skip
+                        f"0 .. vocab-1 = 0 .. {int(vocab) - 1}")
     return x.astype(np.float64)
 
 

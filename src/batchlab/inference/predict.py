@@ -49,7 +49,7 @@ class Preprocessing:
             raise DataError(f"{path} holds no scaler; run `batchlab generate` (or `dvc repro generate`)")
         shape = meta.get("input_shape", [len(meta["feature_names"])])
         return cls(meta["feature_names"], meta["class_names"], meta["scaler"]["mean"], meta["scaler"]["std"],
-                   meta.get("kind", "rows"), shape, int(meta.get("vocab", 0)))  # fmt: skip
+                   meta.get("kind", "rows"), shape, int(meta.get("vocab", 0)))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -98,7 +98,7 @@ class OnnxClassifier:
         raw = self.session.get_modelmeta().custom_metadata_map.get(METADATA_KEY)
         if raw is None:
             raise DataError(f"{path} holds no batchlab preprocessing (scaler, features, classes); re-export it: "
-                            "`batchlab export` (or `dvc repro export`)")  # fmt: skip
+                            "`batchlab export` (or `dvc repro export`)")
         self.prep = Preprocessing(**json.loads(raw))
         self.input_name = self.session.get_inputs()[0].name
         shape = tuple(self.session.get_inputs()[0].shape[1:])
@@ -110,7 +110,7 @@ class OnnxClassifier:
         takes = self.session.get_inputs()[0].type  # e.g. tensor(double)
         if takes != ("tensor(int64)" if self.prep.kind == "tokens" else "tensor(double)"):
             raise DataError(f"{path} takes {takes}, scaled examples (exported before the scaler moved into the "
-                            "graph); re-export it: `batchlab export` (or `dvc repro export`)")  # fmt: skip
+                            "graph); re-export it: `batchlab export` (or `dvc repro export`)")
 
     @property
     def n_features(self) -> int:
@@ -150,7 +150,7 @@ def _write(model: OnnxClassifier, chunks: Iterator[tuple[np.ndarray, Any]], out:
         finite = np.isfinite(frame.iloc[:, 1:].to_numpy(dtype=np.float64)).all(axis=1)
         if not finite.all():
             raise DataError(f"{name}: values in row {rows + int(np.argmin(finite)) + 1} are too large for the model "
-                            "(its float32 output overflows); rescale or drop that row")  # fmt: skip
+                            "(its float32 output overflows); rescale or drop that row")
         if passed is not None:
             frame = pd.concat([passed.reset_index(drop=True), frame], axis=1)
         frame.to_csv(out, index=False, header=header)  # a header-only input gets the header alone

@@ -86,7 +86,7 @@ def _quantize(fp32: Path, out: Path, mode: str, calibration: np.ndarray) -> None
             quantize_dynamic(str(prepared), str(out), weight_type=QuantType.QInt8)
         else:  # QDQ: ORT's CPU format; QOperator was ~6x slower on a full batch here
             quantize_static(str(prepared), str(out), Batches(), quant_format=QuantFormat.QDQ,
-                            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8)  # fmt: skip
+                            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8)
     # the feature and class names, the example shape: the int8 file is as usable by `batchlab predict`
     source, model = onnx.load(str(fp32)), onnx.load(str(out))
     del model.metadata_props[:]

@@ -29,7 +29,7 @@ def _check_finite(x: np.ndarray, columns: list[str], name: str, first_row: int) 
     if bad.any():
         row, col = (int(i) for i in np.argwhere(bad)[0])
         raise DataError(f"{name}: missing, NaN or infinite value in column {columns[col]!r} (row {first_row + row}); "
-                        "fill or drop those rows first")  # fmt: skip
+                        "fill or drop those rows first")
 
 
 def _table_chunks(frames: Iterator[Any], name: str, model: OnnxClassifier) -> Iterator[tuple[np.ndarray, Any]]:
@@ -70,7 +70,7 @@ def read_chunks(path: Path, model: OnnxClassifier, chunk_rows: int = CHUNK_ROWS)
     suffix = path.suffix.lower()
     if not model.tabular and suffix in (".csv", ".parquet", ".pq"):
         raise DataError(f"{path.name}: this model takes {model.prep.kind} of shape {model.prep.shape}; give them as "
-                        ".npy, or an .npz with an array x (rows, *that shape)")  # fmt: skip
+                        ".npy, or an .npz with an array x (rows, *that shape)")
     if suffix == ".csv":
         import pandas as pd
 
@@ -115,7 +115,7 @@ def _frames(parquet: Any, name: str, chunk_rows: int) -> Iterator[Any]:
             frame = batch.to_pandas()
         except (ValueError, TypeError, pa.ArrowException) as err:  # e.g. a dictionary column with NaN in it
             raise DataError(f"{name}: pandas cannot convert its columns ({_first_line(err)}); store the features "
-                            "as plain numbers") from None  # fmt: skip
+                            "as plain numbers") from None
         yield frame
 
 
@@ -146,7 +146,7 @@ def _array_chunks(path: Path, model: OnnxClassifier, chunk_rows: int) -> Iterato
     if array.ndim != 1 + len(shape) or tuple(array.shape[1:]) != shape:
         order = f" features, in this order: {model.prep.feature_names}" if model.tabular else ""
         raise DataError(f"{path.name}: shape {array.shape}, but the model takes (rows, {', '.join(map(str, shape))})"
-                        f"{order}")  # fmt: skip
+                        f"{order}")
     if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.number) or array.dtype.kind == "c":
         raise DataError(f"{path.name}: {array.dtype} values; features must be real numbers")
     for start in range(0, array.shape[0], chunk_rows):
@@ -169,4 +169,4 @@ def _check_token_ids(x: np.ndarray, vocab: int, name: str, first: int) -> None:
         row, col = (int(i) for i in np.argwhere(bad)[0])
         ids = f"0 .. {vocab - 1}" if vocab else "whole numbers from 0"
         raise DataError(f"{name}: example {first + row} holds {x[row, col]:g} at position {col}, not a token id "
-                        f"({ids})")  # fmt: skip
+                        f"({ids})")

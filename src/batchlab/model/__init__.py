@@ -41,7 +41,7 @@ def build_model(cfg: ModelConfig, input_shape: int | tuple[int, ...], n_classes:
 def save_model(
     path: str | Path, model: nn.Module, cfg: ModelConfig, input_shape: int | tuple[int, ...], class_names: list[str],
     vocab: int = 0,
-) -> None:  # fmt: skip
+) -> None:
     """A state_dict plus the config that rebuilds it: loadable with torch.load(weights_only=True)."""
     shape = [input_shape] if isinstance(input_shape, int) else list(input_shape)
     payload = {
@@ -77,7 +77,7 @@ def load_model(path: str | Path) -> tuple[nn.Module, list[str]]:
         cfg = ModelConfig(**payload["model_config"])
     except Exception as err:
         raise DataError(f"{path} is damaged or not a batchlab model ({type(err).__name__}); "
-                        "retrain it: `batchlab train` (or `dvc repro train`)") from err  # fmt: skip
+                        "retrain it: `batchlab train` (or `dvc repro train`)") from err
     model = build_model(cfg, shape, len(class_names), int(payload.get("vocab", 0)))  # a factory's error is its own
     try:
         model.load_state_dict(payload["state_dict"])

@@ -55,7 +55,7 @@ class TokenClassifier(nn.Module):
         layer = nn.TransformerEncoderLayer(
             cfg.d_model, cfg.heads, dim_feedforward=2 * cfg.d_model, dropout=cfg.dropout,
             activation="gelu" if cfg.activation == "gelu" else "relu", batch_first=True, norm_first=True,
-        )  # fmt: skip
+        )
         self.encoder = nn.TransformerEncoder(layer, cfg.layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, n_classes)
@@ -70,7 +70,7 @@ def builtin(cfg: ModelConfig, input_shape: tuple[int, ...], n_classes: int, voca
     if cfg.name == "mlp":
         if len(input_shape) != 1 or vocab:
             raise ValueError(f"model.name mlp takes rows (N, F); the data's examples have shape {input_shape}: "
-                             "use model.name cnn for images, transformer for token sequences")  # fmt: skip
+                             "use model.name cnn for images, transformer for token sequences")
         return mlp(cfg, input_shape[0], n_classes)
     if cfg.name == "cnn":
         if len(input_shape) != 3:
@@ -79,5 +79,5 @@ def builtin(cfg: ModelConfig, input_shape: tuple[int, ...], n_classes: int, voca
     if len(input_shape) != 1 or vocab < 2:
         lacks = "" if vocab else " and no vocabulary"
         raise ValueError(f"model.name transformer takes token sequences (data.source sequences, or an .npz with "
-                         f"a vocab); the data's examples have shape {input_shape}{lacks}")  # fmt: skip
+                         f"a vocab); the data's examples have shape {input_shape}{lacks}")
     return TokenClassifier(cfg, input_shape[0], vocab, n_classes)

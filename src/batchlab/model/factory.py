@@ -62,11 +62,11 @@ def from_factory(cfg: ModelConfig, input_shape: tuple[int, ...], n_classes: int,
     except Exception as err:
         batch = ", ".join(map(str, (2, *input_shape)))
         raise FactoryError(f"model.factory {spec!r}: its model fails on a batch of shape ({batch}): "
-                           f"{_said(err)}") from None  # fmt: skip
+                           f"{_said(err)}") from None
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, n_classes):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise FactoryError(f"model.factory {spec!r}: its model gives {got} for a batch of 2; it must give logits "
-                           f"of shape (batch, {n_classes})")  # fmt: skip
+                           f"of shape (batch, {n_classes})")
     return model.train()
 
 

@@ -39,7 +39,7 @@ def _said(err: BaseException) -> str:
 def stacked_losses(
     base: nn.Module, masks: Masks, state: tuple[Tensors, Tensors], inputs: torch.Tensor, targets: torch.Tensor,
     drawn: list[torch.Tensor],
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Each seed's mean cross-entropy [S] over its rows (inputs [S, rows, ...], targets [S, rows]),
     through `base` (a stand-in) with the stacked weights and buffers `state` and dropout masks `drawn`."""
 
@@ -85,7 +85,7 @@ def why_apart(model: nn.Module, example: torch.Tensor) -> str | None:
         if not torch.equal(rng, torch.get_rng_state()):
             return ("its forward draws random numbers besides nn.Dropout and nn.MultiheadAttention's dropout "
                     "(F.dropout in forward, Dropout2d, AlphaDropout, noise): no seed could draw them as its "
-                    "separate run does")  # fmt: skip
+                    "separate run does")
     if not all(torch.equal(a, b) for a, b in zip(buffers, state[1].values(), strict=True)):
         return "its forward changes its buffers in train mode"
     pair = stack_module_state([model, model])

@@ -84,7 +84,7 @@ class SeedOptimizer:
     def load_from(self, trainees: list[Trainee]) -> None:
         """Take up the seeds' own (restored or fresh) optimizer and schedule state."""
         states: list[State] = [{p: t.optimizer.state[p] for p in params if p in t.optimizer.state}
-                               for t, params in zip(trainees, self.seeds, strict=True)]  # fmt: skip
+                               for t, params in zip(trainees, self.seeds, strict=True)]
         hyper = {k: v for k, v in trainees[0].optimizer.param_groups[0].items() if k != "params"}
         schedule = trainees[0].schedule.state_dict()
         if self._stackable(states):

@@ -70,7 +70,7 @@ class StackedModels(SeedGroup):
     def forward(
         self, x: torch.Tensor, train: bool, tape: list[_Saved] | None = None,
         generators: list[torch.Generator] | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """Logits [S, rows, classes] of inputs [S, rows, features]; in training each seed's dropout
         masks come from its generator (`generators`, default the seeds' own) exactly as F.dropout
         draws them (bernoulli_, then / (1 - p)). With `tape`, what `backward` needs of each layer is
@@ -132,7 +132,7 @@ class StackedModels(SeedGroup):
         self, inputs: torch.Tensor, targets: torch.Tensor, at_target: float,
         linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None],
         generators: list[torch.Generator] | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """A training forward of every seed and its backward from d(loss)/d(log_probs) = `at_target`
         at each row's target, as autograd computes cross_entropy's; `linear(h, grad, weight, bias)`
         takes each Linear's input and the gradient at its output, last layer first. Returns the log

@@ -107,13 +107,13 @@ class MaskedAttention(nn.MultiheadAttention):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
         attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True, is_causal: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         why = self._why_not(query, key_padding_mask, attn_mask, is_causal)
         if why is not None:
             if self.training and self.dropout > 0:
                 raise Unsupported(f"an nn.MultiheadAttention with dropout and {why}")
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
-                                   average_attn_weights, is_causal)  # fmt: skip
+                                   average_attn_weights, is_causal)
         if self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         tgt_len, bsz, embed = query.shape

@@ -128,7 +128,7 @@ def fit_seeds(
             if strategy.is_main:
                 seed.checkpoint.save(seed.trainee, seed.state)
         log.info("epoch %d/%d, %d seeds: val_loss %s", epoch + 1, tc.epochs, len(active),
-                 " ".join(f"{s.state.history[-1]['val_loss']:.4f}" for s in active))  # fmt: skip
+                 " ".join(f"{s.state.history[-1]['val_loss']:.4f}" for s in active))
     return [_result(seed, dataset, strategy) for seed in seeds]
 
 

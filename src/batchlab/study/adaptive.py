@@ -83,7 +83,7 @@ def compare(adaptive: list[dict[str, Any]], fixed: list[dict[str, Any]]) -> Adap
         Comparison(c.batch_size, c.figure, c.diff_mean, c.diff_ci95, c.p_value, c.pairs,
                    (c.batch_size, COMPARED.index(c.figure)) in rejected)
         for c in raw
-    ]  # fmt: skip
+    ]
     reached = sum(r.get("steps_to_target") is not None for r in adaptive)
     return AdaptiveStudy(adaptive, figures, comparisons, reached)
 
@@ -97,7 +97,7 @@ def verdict_text(study: AdaptiveStudy, fastest: int | None, best_f1: int) -> str
         f"test F1 {_pm(*f1, 4)}."
     ]
     faster, slower, worse = _measurable(study, "seconds_to_target", -1), _measurable(study, "seconds_to_target", 1), \
-        _measurable(study, "test_f1_macro", -1)  # fmt: skip
+        _measurable(study, "test_f1_macro", -1)
     lines.append(
         f"Measurably faster to the target than batch: {_names(faster)}; measurably slower than: {_names(slower)}; "
         f"measurably lower test F1 than: {_names(worse)}."

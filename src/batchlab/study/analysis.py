@@ -278,5 +278,5 @@ def seed_bands(results: list[dict[str, Any]]) -> list[Band]:
         steps = sorted(by_step)
         cis = [mean_ci(by_step[s]) for s in steps]
         bands.append(Band(batch, [s * batch for s in steps], [m for m, _ in cis],
-                          [m - h for m, h in cis], [m + h for m, h in cis]))  # fmt: skip
+                          [m - h for m, h in cis], [m + h for m, h in cis]))
     return bands

@@ -101,7 +101,7 @@ def estimate(
     last_within = next((j - 1 for j in range(1, len(ks)) if not within[j]), len(ks) - 1)
     first_over = next((j for j in range(1, len(ks)) if shortfall[j] > 0), len(ks))
     return Estimate(ks[first_over - 1], ks[last_within], ks[first_worse - 1], ks, shortfall, p_worse, p_within, worse,
-                    within, mean_progress, measured=mean_progress > 0)  # fmt: skip
+                    within, mean_progress, measured=mean_progress > 0)
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ class Point:
         scale there, and the ratio CBS / exact B_simple with its interval off the grid (`bounds`)."""
         r, b, exact = self.result, self.batch, self.b_simple_exact
         out = {"fraction": self.fraction, "epoch": float(self.epoch), "examples": float(self.examples),
-               "b_simple_exact": exact, "b_simple_estimate": self.b_simple_estimate}  # fmt: skip
+               "b_simple_exact": exact, "b_simple_estimate": self.b_simple_estimate}
         if not r.measured:
             return out
         out.update(cbs=float(r.multiplier * b), cbs_low=float(r.low * b), cbs_high=float(r.high * b))
@@ -148,7 +148,7 @@ def points_of(raw: list[dict[str, Any]], tolerance: float) -> list[Point]:
     for p in raw:
         result = estimate(p["start"], p["losses"], p["multipliers"], tolerance)
         out.append(Point(p["epoch"], p["fraction"], p["examples"], p["batch"], p["start"], p["losses"],
-                         p["b_simple_exact"], p["b_simple_estimate"], result))  # fmt: skip
+                         p["b_simple_exact"], p["b_simple_estimate"], result))
     return out
 
 
@@ -171,7 +171,7 @@ def figures(points: list[Point], b_crit: tuple[float, float, float] | None) -> d
 
 COLUMNS = ("fraction", "epoch", "batch", "multiplier", "mean_val_loss", "mean_start_val_loss", "shortfall",
            "p_worse", "p_within", "worse", "within", "cbs", "cbs_low", "cbs_high", "b_simple_exact",
-           "b_simple_estimate")  # fmt: skip
+           "b_simple_estimate")
 
 
 def rows(points: list[Point]) -> list[dict[str, Any]]:
@@ -187,7 +187,7 @@ def rows(points: list[Point]) -> list[dict[str, Any]]:
                         "p_worse": r.p_worse[j], "p_within": r.p_within[j], "worse": r.worse[j],
                         "within": r.within[j], "cbs": r.multiplier * p.batch, "cbs_low": r.low * p.batch,
                         "cbs_high": r.high * p.batch, "b_simple_exact": p.b_simple_exact,
-                        "b_simple_estimate": p.b_simple_estimate})  # fmt: skip
+                        "b_simple_estimate": p.b_simple_estimate})
     return out
 
 
@@ -220,7 +220,7 @@ def section(points: list[Point], tolerance: float, b_crit: tuple[float, float, f
         f = p.figures()
         if not p.result.measured:
             lines.append(f"| {p.fraction:.0%} | {p.epoch} | not measured: the base branch's val loss did not fall |"
-                         f" {_num(f['b_simple_exact'])} | {_num(f['b_simple_estimate'])} | |")  # fmt: skip
+                         f" {_num(f['b_simple_exact'])} | {_num(f['b_simple_estimate'])} | |")
             continue
         wide = " (spans the grid)" if p.result.spans_grid else ""
         nan = math.nan
@@ -253,13 +253,13 @@ def _verdict(points: list[Point], b_crit: tuple[float, float, float] | None) -> 
     below = sum(1 for f in ratios if f["ratio_high"] < 1)
     if ratios:
         parts.append(f"The exact noise scale underestimates the batch the run can take at {above} of {len(ratios)} "
-                     f"points and overestimates it at {below} (the rest: the interval holds both).")  # fmt: skip
+                     f"points and overestimates it at {below} (the rest: the interval holds both).")
     if "local_cbs.mean" in found:
         where = found.get("local_cbs.mean_in_b_crit_interval")
         inside = {"yes": "inside", "no": "outside"}.get(str(where), "beside (no B_crit interval)")
         b = f" [{b_crit[1]:.0f}, {b_crit[2]:.0f}]" if b_crit is not None and where is not None else ""
         parts.append(f"The local CBS's time-average (the geometric mean over the points) "
-                     f"{float(found['local_cbs.mean']):.0f} falls {inside} the global B_crit interval{b}.")  # fmt: skip
+                     f"{float(found['local_cbs.mean']):.0f} falls {inside} the global B_crit interval{b}.")
     return " ".join(parts)
 
 

@@ -117,7 +117,7 @@ def steps_vs_examples(study: Study, folder: Path) -> None:
     adapted = [r for r in (study.adaptive.results if study.adaptive else []) if r["steps_to_target"] is not None]
     if adapted:  # sweep.adaptive: each seed's point, where no fixed batch size sits
         ax.plot([r["examples_to_target"] for r in adapted], [r["steps_to_target"] for r in adapted], "D",
-                color="C3", ms=5, label="adaptive (each seed)")  # fmt: skip
+                color="C3", ms=5, label="adaptive (each seed)")
         ax.legend(fontsize=7, loc="upper right", bbox_to_anchor=(1.0, 0.88))
     if not done:
         ax.text(0.5, 0.5, "no experiment reached the target", transform=ax.transAxes, ha="center")
@@ -172,7 +172,7 @@ def noise_scale_curves(study: Study, folder: Path) -> None:
         if by_step:
             steps = sorted(by_step)
             ax.plot([s * batch for s in steps], [sum(by_step[s]) / len(by_step[s]) for s in steps], "o-", ms=2.5,
-                    color=f"C{i % 10}", lw=0.9, label=f"batch {batch}")  # fmt: skip
+                    color=f"C{i % 10}", lw=0.9, label=f"batch {batch}")
             drawn = True
     drawn = _adaptive_schedule(ax, study) or drawn
     fit, exact = study.fit, study.truth.b_simple
@@ -209,11 +209,11 @@ def _adaptive_schedule(ax: Any, study: Study) -> bool:
         ax.step(examples, batches, where="post", color="black", lw=1.2, label=label)
         read = [(d["examples"], d["b_noise"]) for d in decisions if d["b_noise"] == d["b_noise"] and d["b_noise"] > 0]
         ax.plot([e for e, _ in read], [b for _, b in read], "x", color="black", ms=3,
-                label="adaptive: B_simple it read" if i == 0 else None)  # fmt: skip
+                label="adaptive: B_simple it read" if i == 0 else None)
         best = [(d["examples"], d["optimum"]) for d in decisions if d.get("optimum") is not None and d["optimum"] > 0]
         if best:  # the time rule: the throughput table's optimum √(a·B_noise/b) at each reading
             ax.plot([e for e, _ in best], [b for _, b in best], "+", color="C3", ms=4,
-                    label="adaptive: the table's optimum √(a·B_noise/b)" if i == 0 else None)  # fmt: skip
+                    label="adaptive: the table's optimum √(a·B_noise/b)" if i == 0 else None)
     return True
 
 
@@ -251,7 +251,7 @@ def local_cbs(points: list[Any], b_crit: tuple[float, float, float] | None, fold
         ax.legend(fontsize=7)
     else:
         ax.text(0.5, 0.5, "sweep.local_cbs is off" if not points else "no point measured", transform=ax.transAxes,
-                ha="center")  # fmt: skip
+                ha="center")
     ax.set(xlabel="examples seen", ylabel="batch size")
     ax.set_title("Local critical batch size through training", fontsize=11)
     fig.tight_layout()

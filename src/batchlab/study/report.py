@@ -254,7 +254,7 @@ def _plain_memory(study: Study) -> str:
 
 
 EXPERIMENT_COLUMNS = ("name", "batch_size", "seed", "lr", "test_f1_macro", "test_accuracy", "steps_to_target",
-                      "examples_to_target", "seconds_to_target")  # fmt: skip
+                      "examples_to_target", "seconds_to_target")
 
 
 def write(study: Study, folder: Path, context: dict[str, Any]) -> str:
@@ -266,7 +266,7 @@ def write(study: Study, folder: Path, context: dict[str, Any]) -> str:
     atomic.write_csv(folder / "summary.csv", study.rows)
     # each experiment the verdict compared, by seed: what its paired tests read (a reader can redo them)
     atomic.write_csv(folder / "experiments.csv", [{k: r[k] for k in EXPERIMENT_COLUMNS} for r in study.results],
-                     list(EXPERIMENT_COLUMNS))  # fmt: skip
+                     list(EXPERIMENT_COLUMNS))
     atomic.write_text(folder / "summary.md", text)
     points = [
         {

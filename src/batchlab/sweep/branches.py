@@ -84,10 +84,10 @@ def multipliers(cfg: Config, dataset: data.Dataset) -> list[int]:
     if len(fits) < 2:
         raise ConfigError(f"sweep.memory_budget_mb {budget:g} fits no branch batch above train.batch_size "
                           f"{cfg.train.batch_size} (sweep.local_cbs_multipliers {ks}): raise it, or set "
-                          "sweep.local_cbs: false")  # fmt: skip
+                          "sweep.local_cbs: false")
     if len(fits) < len(ks):
         log.info("local CBS: multipliers %s need more than sweep.memory_budget_mb %g MiB a step: not branched",
-                 sorted(set(ks) - set(fits)), budget)  # fmt: skip
+                 sorted(set(ks) - set(fits)), budget)
     return fits
 
 
@@ -141,7 +141,7 @@ def run(cfg: Config, paths: Paths, dataset: data.Dataset) -> list[dict[str, Any]
             "losses": [p["losses"] for p in at],
             "b_simple_exact": _mean([p["b_simple_exact"] for p in at]),
             "b_simple_estimate": _mean([p["b_simple_estimate"] for p in at]),
-        })  # fmt: skip
+        })
     return out
 
 
@@ -175,7 +175,7 @@ def _seeds(
 def _train_points(
     cfg: Config, dataset: data.Dataset, placed: list[tuple[Keyed, str, Path, list[int]]],
     points: list[list[dict[str, Any]]], ks: list[int],
-) -> None:  # fmt: skip
+) -> None:
     """The seeds' points not yet stored (`points`, appended to: the same count for every seed),
     each stored as it finishes: their runs to each point (resumed from train.pt where interrupted),
     then every multiplier's branches."""
@@ -187,7 +187,7 @@ def _train_points(
     done = len(points[0])
     log.info("local CBS: seeds %s, each branch trains %d examples (%.1f%% of the run: whole batches of every "
              "multiplier)%s", ", ".join(str(j.exp.seed) for j in jobs), examples, 100 * examples / (epochs * n_train),
-             f"; resuming at epoch {at[done]}" if done else "")  # fmt: skip
+             f"; resuming at epoch {at[done]}" if done else "")
     cfgs = [job.cfg for job in jobs]
     for epoch in at[done:]:
         with session(cfgs[0].train) as strategy:  # each resumes train.pt where an interrupted run left it
@@ -206,11 +206,11 @@ def _train_points(
             mine = [per_k[i] for per_k in losses]
             points[i].append({"epoch": epoch, "fraction": epoch / epochs, "examples": int(saved["state"]["examples"]),
                               "start": float(row["val_loss"]), "losses": mine,
-                              "b_simple_exact": exact, "b_simple_estimate": estimate})  # fmt: skip
+                              "b_simple_exact": exact, "b_simple_estimate": estimate})
             atomic.write_json(where / "branches.json", {"key": placed[i][1], "examples_per_branch": examples,
-                                                        "points": points[i]})  # fmt: skip
+                                                        "points": points[i]})
             log.info("local CBS: seed %d, epoch %d: val loss %.4f -> %s", job.exp.seed, epoch, row["val_loss"],
-                     ", ".join(f"{k}x {v:.4f}" for k, v in zip(ks, mine, strict=True)))  # fmt: skip
+                     ", ".join(f"{k}x {v:.4f}" for k, v in zip(ks, mine, strict=True)))
 
 
 def _losses(cfgs: list[Config], dataset: data.Dataset, kept: list[Path], k: int, examples: int) -> list[float]:

@@ -107,7 +107,7 @@ def _train_together(lane: Lane, jobs: list[Keyed], dataset: data.Dataset) -> dic
     log.info("sweep: %s train together", ", ".join(job.exp.name for job in jobs))
     with session(jobs[0].cfg.train) as strategy:
         fitted = vectorized.fit_seeds([job.cfg for job in jobs], dataset, strategy,
-                                      checkpoints=[f.checkpoint for f in folders])  # fmt: skip
+                                      checkpoints=[f.checkpoint for f in folders])
     share = (time.perf_counter() - started) / len(jobs)  # each seed's part of the group's wall time
     tags = {"sweep.trained_with_seeds": str(len(jobs))}
     results = {}

@@ -147,7 +147,7 @@ def adaptive_plan(cfg: Config, n_train: int, dataset: data.Dataset | None = None
     every = max(1, steps_per_epoch(n_train, high) // sc.evals_per_epoch)
     epochs = sc.epochs or cfg.train.epochs
     return [Experiment(low, seed, lr, epochs, eval_every_steps=every, adaptive=True, max_batch_size=high)
-            for seed in sc.seeds]  # fmt: skip
+            for seed in sc.seeds]
 
 
 def with_step_time(experiments: list[Experiment], clock: Table | None, cfg: Config) -> list[Experiment]:
@@ -158,7 +158,7 @@ def with_step_time(experiments: list[Experiment], clock: Table | None, cfg: Conf
     if clock is None:
         raise ConfigError("sweep.adaptive with train.adapt_rule time reads the throughput table, which a "
                           f"{cfg.train.strategy} sweep does not time: set train.adapt_step_time: [a, b] or "
-                          "train.adapt_rule: statistical")  # fmt: skip
+                          "train.adapt_rule: statistical")
     return [dataclasses.replace(e, step_time=tuple(clock.step_time())) if e.adaptive else e for e in experiments]
 
 
@@ -169,7 +169,7 @@ def needs_schedule(experiments: list[Experiment], cfg: Config) -> bool:
         return False
     if not cfg.sweep.local_cbs:
         raise ConfigError("sweep.adaptive with train.adapt_rule schedule takes the measured local CBS(t) as its "
-                          "schedule: set sweep.local_cbs: true, or train.adapt_schedule")  # fmt: skip
+                          "schedule: set sweep.local_cbs: true, or train.adapt_schedule")
     return True
 
 

@@ -48,7 +48,7 @@ def prepare(cfg: Config, paths: Paths) -> Sweep:
             finished[exp.name] = done
     earlier = sweep_state.earlier_wall_seconds(state, finished)
     sweep = Sweep(experiments, finished, key, state.get("parent_run_id"), earlier, state.get("reported"), started,
-                  clock)  # fmt: skip
+                  clock)
     if sweep.up_to_date:
         log.info(
             "sweep: all %d experiments already finished; nothing to do (to re-measure: delete %s/; under "

@@ -43,7 +43,7 @@ def _epoch_totals(
         probes = [0.0] + [h.get("gns.probes", 0.0) for h in history]
         per_probe = clock.probe_seconds if adaptive else 0.0
         seconds = [r / clock.samples_per_s(b) + (probes[i + 1] - probes[i]) * per_probe
-                   for i, (r, b) in enumerate(zip(rows, batch, strict=True))]  # fmt: skip
+                   for i, (r, b) in enumerate(zip(rows, batch, strict=True))]
     else:
         speeds: dict[int, list[float]] = {}
         for b, h in zip(batch, history, strict=True):
@@ -51,7 +51,7 @@ def _epoch_totals(
         typical = {b: statistics.median(v) for b, v in speeds.items()}
         seconds = [r / typical[b] for r, b in zip(rows, batch, strict=True)]
     return {"epoch_examples": list(itertools.accumulate(rows)),
-            "epoch_train_seconds": list(itertools.accumulate(seconds))}  # fmt: skip
+            "epoch_train_seconds": list(itertools.accumulate(seconds))}
 
 
 def _floats(rows: list[dict[str, float]], key: str) -> list[float]:

@@ -50,7 +50,7 @@ def table_for(cfg: Config, paths: Paths, experiments: list[Experiment], dataset:
     else measured now (on the sweep's threads) and stored. None under DDP/FSDP."""
     if cfg.train.strategy != "single":
         log.info("sweep: samples/s from each experiment's own epochs (the throughput table times one process, "
-                 "not train.strategy %s)", cfg.train.strategy)  # fmt: skip
+                 "not train.strategy %s)", cfg.train.strategy)
         return None
     n = threads.sweep_threads(cfg, data.shape(paths.data))
     key = throughput.table_key(cfg, dataset, n, code_hash())
@@ -68,5 +68,5 @@ def table_for(cfg: Config, paths: Paths, experiments: list[Experiment], dataset:
         threads.use_threads(before)
     atomic.write_json(path, table.to_dict())
     log.info("sweep: throughput table in %.1f s (load %.2f -> %.2f): %s", table.seconds, table.load_before[0],
-             table.load_after[0], ", ".join(f"{b}: {table.samples_per_s(b):.0f}/s" for b in sizes))  # fmt: skip
+             table.load_after[0], ", ".join(f"{b}: {table.samples_per_s(b):.0f}/s" for b in sizes))
     return table

@@ -73,7 +73,7 @@ def exact_at(
     vector_to_parameters(saved["weights"][saved["steps"].index(step)], model.parameters())
     exact = exact_noise_scale(model, F.cross_entropy, *split_tensors(dataset.train, torch.device("cpu")))
     known[str(step)] = {"b_simple": exact.b_simple, "grad_sq": exact.grad_sq, "trace": exact.trace,
-                        "trace_mask": exact.trace_mask, "rows": exact.rows, "draws": exact.draws}  # fmt: skip
+                        "trace_mask": exact.trace_mask, "rows": exact.rows, "draws": exact.draws}
     atomic.write_json(cache, {"key": key, "steps": known})  # a retrained experiment's key differs
     return known[str(step)]
 
@@ -98,5 +98,5 @@ def with_exact(
         measured = analysis.reading_at(r, step)[1] if step is not None else None
         there = exact_at(cfg, folder, dataset, measured, r["fingerprint"], trim=False) if measured is not None else None
         out.append({**r, "gns_b_simple_exact_at_target": exact["b_simple"] if exact else math.nan,
-                    "gns_b_simple_exact_at_reading": there["b_simple"] if there else math.nan})  # fmt: skip
+                    "gns_b_simple_exact_at_reading": there["b_simple"] if there else math.nan})
     return out

@@ -160,7 +160,7 @@ def prepare_backend(uri: str) -> None:
 
 # what SQLite says when the machine refuses its file, and the OS error that is
 _STORE_FAULTS = (("database or disk is full", errno.ENOSPC), ("readonly database", errno.EROFS),
-                 ("unable to open database file", errno.EACCES), ("disk I/O error", errno.EIO))  # fmt: skip
+                 ("unable to open database file", errno.EACCES), ("disk I/O error", errno.EIO))
 
 
 @contextlib.contextmanager

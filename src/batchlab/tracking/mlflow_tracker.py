@@ -185,7 +185,7 @@ class MlflowTracker(Tracker):
         def log_model() -> None:
             with logging_into(self.run_id):
                 mlflow.onnx.log_model(onnx.load(str(path)), name="onnx_model", signature=onnx_signature(Path(path)),
-                                      pip_requirements=["onnxruntime", "numpy"])  # fmt: skip
+                                      pip_requirements=["onnxruntime", "numpy"])
 
         self._persist("the ONNX model", log_model)
 
@@ -229,7 +229,7 @@ class MlflowTracker(Tracker):
 
     def save_view(self, name: str, batch_param: str, batch_tag: str) -> str | None:
         link: str | None = self._persist("the sweep's MLflow view", views.save, self.client, self.run_id, name,
-                                         batch_param, batch_tag)  # fmt: skip
+                                         batch_param, batch_tag)
         return link
 
     def replay_unrecorded(self) -> None:
@@ -295,4 +295,4 @@ class MlflowTracker(Tracker):
         log.warning(
             "batchlab: warning: tracking backend %s was unreachable; not recorded in run %s: %s",
             self.uri, self.run_id, "; ".join(lost),
-        )  # fmt: skip
+        )

@@ -103,7 +103,7 @@ def unrecorded_path(run_id: str) -> Path:
 def save_unrecorded(run_id: str, uri: str, status: str, metrics: list[dict[str, Any]], not_recorded: list[str]) -> Path:
     path = unrecorded_path(run_id)
     content = {"run_id": run_id, "tracking_uri": uri, "status": status, "not_recorded": not_recorded,
-               "metrics": metrics}  # fmt: skip
+               "metrics": metrics}
     atomic.write_json(path, content)
     return path
 

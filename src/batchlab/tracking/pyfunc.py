@@ -62,7 +62,7 @@ def log_predictor(run_id: str, onnx_path: Path, example_rows: np.ndarray) -> str
     kind = model.prep.kind
     # rows: a frame whose columns are the features; images and tokens: an array (a tensor signature)
     example = _frame(example_rows, model.prep.feature_names) if kind == "rows" else (
-        np.asarray(example_rows, dtype=EXAMPLE_DTYPES[kind]))  # fmt: skip
+        np.asarray(example_rows, dtype=EXAMPLE_DTYPES[kind]))
     signature = infer_signature(example, model.frame(example_rows), params={"output": "all"})
     with logging_into(run_id):
         mlflow.set_tag(TAKES_TAG, takes(kind, model.prep.shape))
@@ -137,5 +137,5 @@ def _predictor_of(run_id: str | None, uri: str) -> str:
     found = run_models(client, run_id, PREDICTOR)
     if not found:
         raise DataError(f"{uri} is not an ONNX model and its run {run_id} has no {PREDICTOR!r} model; "
-                        "run `batchlab export` for that run")  # fmt: skip
+                        "run `batchlab export` for that run")
     return f"models:/{found[-1].model_id}"

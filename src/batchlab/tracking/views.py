@@ -34,7 +34,7 @@ CHARTS = (
 )
 CURVE = "val_loss"
 SECTION_STATE = {"uuid": SECTION, "name": "Batch-size study", "display": True, "isReordered": False, "deleted": False,
-                 "isGenerated": False}  # fmt: skip
+                 "isGenerated": False}
 
 
 KEY = "batchlab-"  # a batchlab view's key: this, then its sweep's parent run id
@@ -60,13 +60,13 @@ def state(parent_run_id: str, batch_param: str, batch_tag: str, metrics: Iterabl
         {"uuid": f"batchlab-{uuid}", "type": "SCATTER", "xaxis": {"key": batch_param, "type": "PARAM"},
          "yaxis": {"key": metric, "type": "METRIC"}, "runsCountToCompare": 100}
         for uuid, metric in CHARTS
-    ]  # fmt: skip
+    ]
     cards.append({
         "uuid": "batchlab-val-loss", "type": "LINE", "metricKey": CURVE,
         "runsCountToCompare": 100, "lineSmoothness": 0, "xAxisKey": "step", "xAxisScaleType": "linear",
         "scaleType": "log", "selectedXAxisMetricKey": "", "yAxisKey": "metric", "yAxisExpressions": [],
         "ignoreOutliers": False, "useGlobalXaxisKey": False, "useGlobalLineSmoothing": False,
-    })  # fmt: skip
+    })
     charted = {CURVE}
     cards += [
         {"uuid": f"batchlab-hidden-{i}", "type": "BAR", "metricKey": m, "deleted": True, "isGenerated": True}

@@ -113,7 +113,7 @@ class BatchSchedule:
         step_time = tuple(tc.adapt_step_time) if tc.adapt_step_time is not None else None
         plan = tuple((float(s), int(b)) for s, b in tc.adapt_schedule or [])
         return cls(tc.batch_size, cap, tc.adapt_every_examples or n_train, tc.adapt_threshold, divisor,
-                   tc.adapt_lr_scaling, tc.adapt_rule, step_time, plan=plan, total=tc.epochs * n_train)  # fmt: skip
+                   tc.adapt_lr_scaling, tc.adapt_rule, step_time, plan=plan, total=tc.epochs * n_train)
 
     def period(self) -> int:
         """Steps between decisions at the current batch: train.adapt_every_examples of its rows; under
@@ -160,7 +160,7 @@ class BatchSchedule:
         target = max([b for s, b in self.plan if s <= share + 1e-6], default=self.batch)  # shares kept to 6 places
         to = max([b for b in self._larger() if b <= target], default=self.batch)  # never below the batch now
         return to, f"{'grow' if to > self.batch else 'hold'}: train.adapt_schedule's batch at {share:.0%} of " \
-                   f"the run's examples is {target}"  # fmt: skip
+                   f"the run's examples is {target}"
 
     def decide(self, step: int, examples: int, b_noise: float, se: float = math.nan) -> float | None:
         """The decision after `step` optimizer steps (`examples` seen) on the reading `b_noise` (its
@@ -179,7 +179,7 @@ class BatchSchedule:
             target, gain = self.choose(low)
             if target == self.batch or gain <= self.threshold:
                 reason = f"hold: growing saves {max(gain, 0):.1%} at the lower bound {low:.0f} (threshold " \
-                         f"{self.threshold:.0%})"  # fmt: skip
+                         f"{self.threshold:.0%})"
             else:
                 to = target
                 what = "of the time to a loss" if self.rule == "time" else "of steps + examples"
@@ -187,7 +187,7 @@ class BatchSchedule:
         self.decisions.append(
             {"step": step, "examples": examples, "b_noise": b_noise, "b_noise_se": se, "b_noise_low": low,
              "optimum": optimum, "from": self.batch, "to": to, "gain": gain, "reason": reason}
-        )  # fmt: skip
+        )
         factor = scaled_lr(1.0, self.batch, to, self.lr_rule) if to != self.batch else None
         self.batch = to
         self.next_step = step + self.period()
@@ -238,19 +238,19 @@ class Adapting:
     def start(
         cls, batches: BatchSchedule, noise: NoiseScale, tracker: Tracker, strategy: Strategy, state: TrainState,
         trainee: Trainee,
-    ) -> Adapting:  # fmt: skip
+    ) -> Adapting:
         """The schedule where the checkpoint left it (its lr is the optimizer's own state). Each
         decision reads the noise scale at its own weights (`reading`); between decisions the probe
         keeps to its cost model (train.gns_every, if set, wins), for the run's gns.* figures."""
         if batches.rule == "schedule" and not batches.plan:
             raise ConfigError("train.adapt_rule schedule needs train.adapt_schedule: [[share of the run's "
-                              "examples, batch], ...] (a sweep with sweep.local_cbs writes one)")  # fmt: skip
+                              "examples, batch], ...] (a sweep with sweep.local_cbs writes one)")
         if batches.rule != "schedule" and (not noise.enabled or strategy.probe is None):  # said why above
             raise ConfigError("train.adaptive_batch reads the noise scale, which is not measured for this model "
-                              "(the line above says why): set train.adaptive_batch: false")  # fmt: skip
+                              "(the line above says why): set train.adaptive_batch: false")
         if batches.rule == "time" and batches.step_time is None:
             raise ConfigError("train.adapt_rule time needs train.adapt_step_time: `batchlab train` times it when "
-                              "it starts; set [a, b] or train.adapt_rule: statistical")  # fmt: skip
+                              "it starts; set [a, b] or train.adapt_rule: statistical")
         batches.load_state_dict(state.batch_schedule)
         adapting = cls(batches, noise, tracker, strategy)
         if not state.steps and batches.rule != "statistical":  # the starting batch: the rule's at the start
@@ -293,7 +293,7 @@ class Adapting:
             self.noise.restart_windows()
             if self.is_main:
                 log.info("adaptive batch: %d -> %d at step %d (%s)", before, self.batches.batch, step,
-                         self.batches.decisions[-1]["reason"])  # fmt: skip
+                         self.batches.decisions[-1]["reason"])
                 if step:
                     self.tracker.log_epoch(self.figures(trainee), step=step)
         return self.batches.batch

@@ -141,4 +141,4 @@ def val_curve_points(
         {"step": float(step), "examples": float(examples_at(step)), "val_loss": loss,
          "gns.b_simple": noise.at(step), "gns.measured_at": noise.measured_at(step)}
         for (step, _, _), loss in zip(scored, losses, strict=True)
-    ]  # fmt: skip
+    ]

@@ -131,7 +131,7 @@ class NoiseScale:
             var = measured.row_sq_var if measured.row_sq_var is not None else nan
             cross_var = measured.cross_var if measured.cross_var is not None else nan
             values = torch.stack([measured.cross.float(), measured.half_diff_sq.float(), measured.row_sq.float(),
-                                  var.float(), cross_var.float()])  # fmt: skip
+                                  var.float(), cross_var.float()])
             self._pending.append((self.steps, self.steps - 1, values, (measured.rows, 0)))
         elif measured is not None:
             values = torch.stack([measured.cross.float(), measured.half_diff_sq.float()])
@@ -201,7 +201,7 @@ class NoiseScale:
         if not self.enabled:
             return {}
         return {"gns.b_simple": self.b_simple, "gns.b_simple_se": self.se, "gns.grad_sq": self.grad_sq,
-                "gns.trace_sigma": self.trace_sigma, "gns.probes": float(self.probes)}  # fmt: skip
+                "gns.trace_sigma": self.trace_sigma, "gns.probes": float(self.probes)}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values for the checkpoint (call after `settle`; reading the windows syncs once):
@@ -213,7 +213,7 @@ class NoiseScale:
         ]
         return {"steps": self.steps, "grad_sq_ema": self.grad_sq_ema, "trace_ema": self.trace_ema,
                 "weight": self.weight, "measured_step": self.measured_step, "probes": self.probes, "se": self.se,
-                "recent": recent, "open": waiting}  # fmt: skip
+                "recent": recent, "open": waiting}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:  # a fresh run, or a checkpoint from before the noise scale

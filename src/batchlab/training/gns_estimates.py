@@ -100,7 +100,7 @@ class Reading:
         low, high = self.interval
         return {"b_simple": self.b_simple, "b_simple_se": self.se, "b_simple_ci95_low": low,
                 "b_simple_ci95_high": high, "grad_sq": self.grad_sq, "trace_sigma": self.trace_sigma,
-                "probes": float(self.probes)}  # fmt: skip
+                "probes": float(self.probes)}
 
 
 Z95 = 1.959964
@@ -112,7 +112,7 @@ def pooled(measures: list[FullSplitMeasure], population: int | None) -> Reading:
     values = torch.stack(
         [torch.stack([m.cross.float(), m.half_diff_sq.float(), m.row_sq.float(), m.row_sq_var.float(),  # type: ignore[union-attr]
                       m.cross_var.float()]) for m in measures]  # type: ignore[union-attr]
-    ).tolist()  # fmt: skip
+    ).tolist()
     estimates = [
         per_row_estimate(c, h, r, m.rows, population) for (c, h, r, _, _), m in zip(values, measures, strict=True)
     ]

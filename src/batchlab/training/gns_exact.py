@@ -130,7 +130,7 @@ def row_square_sums(start: torch.Tensor, terms: list[RowTerms]) -> torch.Tensor:
 def exact_noise_scale(
     model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, draws: int = DRAWS, seed: int = 0,
     chunk: int = 512,
-) -> ExactNoise:  # fmt: skip
+) -> ExactNoise:
     """|G|², tr(Σ) and tr(Σ_mask) over the rows (x, y) at the model's weights, in its mode (train
     mode: dropout on, as a training step has it). Leaves the weights and the global RNG as they were;
     `seed` seeds the masks, so the figures are reproducible."""
@@ -151,7 +151,7 @@ def exact_noise_scale(
 def _factored(
     model: nn.Module, linears: list[nn.Linear], loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, draws: int,
     chunk: int,
-) -> ExactNoise | None:  # fmt: skip
+) -> ExactNoise | None:
     """exact_noise_scale for a row-wise model (row_wise_linears), from one batched forward and
     backward per draw and chunk (the module docstring's factored figures); None where a forward
     applies a Linear twice (its row's gradient does not factor)."""

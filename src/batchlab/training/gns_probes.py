@@ -83,7 +83,7 @@ class FullSplitProbe:
     def __init__(
         self, model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, every: int | None = None,
         rng: torch.Generator | None = None, rank: int = 0, world_size: int = 1,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.model, self.loss_fn, self.x, self.y, self.every, self.rng = model, loss_fn, x, y, every, rng
         self.rank, self.world_size = rank, world_size  # DDP: each rank takes every world_size-th row
         self.params = [p for p in model.parameters() if p.requires_grad]  # the live ones
@@ -174,7 +174,7 @@ class FullSplitProbe:
         finite = (1 - count / rows) * rows / max(rows - 1, 1) if self.passes == 1 else 1.0
         row_sq_var = spread / count * finite
         return FullSplitMeasure(torch.dot(first, second), half_diff_sq, rows, half_window, row_sq, row_sq_var,
-                                cross_var)  # fmt: skip
+                                cross_var)
 
     def _row_squares(self, step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """[sum of sampled rows' |g_row|², their count, sum of |g_row|⁴] on this rank, or None for a model whose forward
@@ -189,7 +189,7 @@ class FullSplitProbe:
         except Exception as err:  # the user's forward: any error vmap or it raises
             self.rows_fail = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
             log.warning("noise scale: the rows' own gradients need a forward torch.func.vmap can run (%s); "
-                        "tr(Σ) comes from the steps' gradient norms instead", self.rows_fail)  # fmt: skip
+                        "tr(Σ) comes from the steps' gradient norms instead", self.rows_fail)
             return None
         return torch.stack([total[0], torch.tensor(float(share), device=x.device), total[1]])
 
@@ -277,7 +277,7 @@ def linear_row_squares(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: to
          module.bias is not None and module.bias.requires_grad)
         for (module, a, _), delta in zip(live, deltas, strict=True)
         if delta is not None and module.weight.requires_grad
-    ]  # fmt: skip
+    ]
     return row_square_sums(torch.zeros(x.shape[0], device=x.device), terms)
 
 

@@ -41,7 +41,7 @@ def torchrun_args(cfg: TrainConfig) -> list[str]:
     host, _, port = cfg.rdzv_endpoint.rpartition(":")
     # static rendezvous: node_rank 0 hosts global rank 0, which writes every output
     return [*args, "--nnodes", str(cfg.nnodes), "--node-rank", str(cfg.node_rank),
-            "--master-addr", host, "--master-port", port]  # fmt: skip
+            "--master-addr", host, "--master-port", port]
 
 
 def stage_threads(stage: str, cfg: Config, shape: Shape) -> int | None:

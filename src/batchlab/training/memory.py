@@ -69,7 +69,7 @@ def step_memories(
     y = torch.randint(n_classes, (batch_size,), generator=gen).to(device)
     # the rows the noise probe passes over, a chunk at a time: its peak is one chunk's, however many
     split = (examples(input_shape, FULL_SPLIT_CHUNK, gen, vocab).to(device),
-             torch.randint(n_classes, (FULL_SPLIT_CHUNK,), generator=gen).to(device))  # fmt: skip
+             torch.randint(n_classes, (FULL_SPLIT_CHUNK,), generator=gen).to(device))
     peaks = (_cuda_peaks if device.type == "cuda" else _cpu_peaks)(cfg, x, y, n_classes, split, vocab)
     return peaks[0] / MIB, peaks[1] / MIB
 

@@ -110,7 +110,7 @@ class FusedShardedGradScaler(ShardedGradScaler):
 def skeleton(model: nn.Module) -> nn.Module:
     """A copy of `model` on the meta device: its structure without memory, to fill with full weights."""
     memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-                            for p in model.parameters()}  # fmt: skip
+                            for p in model.parameters()}
     memo.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
     return copy.deepcopy(model, memo)
 
@@ -196,7 +196,7 @@ class ShardedCheckpoint:
         dcp.save(shards, checkpoint_id=tmp, no_dist=self._alone)
         if self.is_main:  # dcp.save returns once rank 0 wrote .metadata after every rank's shards
             meta = {"fingerprint": self.fingerprint, "state": asdict(state),
-                    "schedule": trainee.schedule.state_dict(), "scaler": trainee.scaler.state_dict()}  # fmt: skip
+                    "schedule": trainee.schedule.state_dict(), "scaler": trainee.scaler.state_dict()}
             save_torch(tmp / SHARDED_META, meta)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)

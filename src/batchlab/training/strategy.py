@@ -91,7 +91,7 @@ class Strategy:
                 backend = "nccl" if device.type == "cuda" else "gloo"
                 loopback.init_process_group(backend, rank, world_size, dt.timedelta(seconds=cfg.dist_timeout_s))
         return cls(device, cfg.precision, rank, local_rank, world_size, float(cfg.dist_timeout_s),
-                   cfg.grad_accum_steps, sharded=cfg.strategy == "fsdp", fsdp_units=tuple(cfg.fsdp_units))  # fmt: skip
+                   cfg.grad_accum_steps, sharded=cfg.strategy == "fsdp", fsdp_units=tuple(cfg.fsdp_units))
 
     @property
     def is_main(self) -> bool:

@@ -35,7 +35,7 @@ def check_supported(cfg: TrainConfig) -> None:
 def describe(cfg: TrainConfig) -> dict[str, str]:
     """The strategy as run tags: what the launcher decides, before any rank exists."""
     return {"strategy": cfg.strategy, "precision": cfg.precision, "device": resolve_device(cfg).type,
-            "world_size": str(cfg.world_size())}  # fmt: skip
+            "world_size": str(cfg.world_size())}
 
 
 def seeds_train_apart(config: Config) -> str | None:

@@ -121,7 +121,7 @@ class Table:
         slow, fast = found.interval
         return {"batch_size": batch, "samples_per_s": self.samples_per_s(batch), "samples_per_s_low": batch / fast,
                 "samples_per_s_high": batch / slow, "step_ms": 1e3 * found.median,
-                "fit_step_ms": 1e3 * (self.fit[0] + self.fit[1] * batch)}  # fmt: skip
+                "fit_step_ms": 1e3 * (self.fit[0] + self.fit[1] * batch)}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Table:
@@ -129,7 +129,7 @@ class Table:
         probe = Entry(**raw["probe"]) if raw.get("probe") else None
         load_before, load_after, fit = tuple(raw["load_before"]), tuple(raw["load_after"]), tuple(raw["fit"])
         return cls(raw["key"], entries, probe, load_before, load_after, raw["cores"], raw["threads"], raw["machine"],
-                   raw["seconds"], fit)  # fmt: skip
+                   raw["seconds"], fit)
 
 
 def fit_step_time(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
@@ -172,7 +172,7 @@ class _Stepper:
         if self.at + self.batch > self.order.shape[0]:
             self.at = 0
         train_step(self.net, self.strategy, self.optimizer, self.train, self.order[self.at : self.at + self.batch],
-                   self.losses)  # fmt: skip
+                   self.losses)
         self.at += self.batch
         self.losses.clear()
 
@@ -242,7 +242,7 @@ def measure(
         key, steps, next((e for e in entries if not e.batch_size), None), load_before, os.getloadavg(),
         os.cpu_count() or 1, torch.get_num_threads(), machine(), time.perf_counter() - started,
         fit_step_time([(e.batch_size, e.median) for e in steps]),
-    )  # fmt: skip
+    )
 
 
 def machine() -> str:
@@ -264,7 +264,7 @@ def table_key(cfg: Config, dataset: Dataset, threads: int, *extra: object) -> st
     tc = cfg.train
     what = [cfg.model.model_dump(), list(dataset.input_shape), dataset.n_classes, dataset.vocab,
             int(dataset.train.y.shape[0]), tc.strategy, tc.precision, tc.device, tc.optimizer, tc.grad_accum_steps,
-            tc.gns, threads, machine(), *extra]  # fmt: skip
+            tc.gns, threads, machine(), *extra]
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -278,7 +278,7 @@ def with_step_time(cfg: Config, dataset: Dataset, cache: Path) -> Config:
         return cfg
     if tc.nnodes > 1:
         raise ConfigError("train.adapt_rule time on several machines needs the same step time on each: set "
-                          "train.adapt_step_time: [a, b] (a one-machine `batchlab train` logs its fit)")  # fmt: skip
+                          "train.adapt_step_time: [a, b] (a one-machine `batchlab train` logs its fit)")
     n_train = int(dataset.train.y.shape[0])
     sizes = doublings(tc.batch_size, min(tc.max_batch_size or n_train, n_train))
     key = table_key(cfg, dataset, torch.get_num_threads(), sizes)
@@ -288,5 +288,5 @@ def with_step_time(cfg: Config, dataset: Dataset, cache: Path) -> Config:
         stored = measure(cfg, dataset, sizes, key)
         atomic.write_json(cache, stored.to_dict())
     log.info("adaptive batch: step time %.3f ms + %.3f µs x batch, %.2f ms a probe (train.adapt_step_time)",
-             1e3 * stored.fit[0], 1e6 * stored.fit[1], 1e3 * stored.probe_seconds)  # fmt: skip
+             1e3 * stored.fit[0], 1e6 * stored.fit[1], 1e3 * stored.probe_seconds)
     return cfg.model_copy(update={"train": tc.model_copy(update={"adapt_step_time": stored.step_time()})})

@@ -167,7 +167,7 @@ def log_trained(
     model_uri = tracker.log_torch_model(model, dataset.test.x[:5])
     tracker.log_artifact(paths.reports / "history.csv")
     info = {"run_id": tracker.run_id, "model_uri": model_uri,
-            **json.loads((paths.reports / "train_summary.json").read_text())}  # fmt: skip
+            **json.loads((paths.reports / "train_summary.json").read_text())}
     if info.get("batch_schedule"):  # train.adaptive_batch's decisions: a table in the run's Artifacts
         tracker.log_table(info["batch_schedule"], "batch_schedule.json")
     atomic.write_json(paths.run_info, info)

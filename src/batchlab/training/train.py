@@ -64,7 +64,7 @@ class TrainResult:
     def summary(self) -> dict[str, Any]:
         """train_summary.json's figures of the run."""
         figures: dict[str, Any] = {"best_epoch": self.best_epoch, "epochs_run": len(self.history),
-                                   "stopped_early": self.stopped_early}  # fmt: skip
+                                   "stopped_early": self.stopped_early}
         if self.noise_at_saved:
             figures["gns_at_saved_weights"] = self.noise_at_saved
         return figures | ({"batch_schedule": self.batch_schedule} if self.batch_schedule else {})
