@@ -13,15 +13,11 @@ from __future__ import annotations
 import json
 import math
 
-import torch
-import torch.nn.functional as F
-
 from batchlab import atomic, data
 from batchlab.data import DataError
 from batchlab.model import load_model
 from batchlab.paths import Paths
-from batchlab.training.gns_exact import batch_coupled, exact_noise_scale
-from batchlab.training.train import split_tensors
+from batchlab.training.gns_exact import batch_coupled, exact_at_weights
 
 
 def report(paths: Paths, draws: int) -> str:
@@ -31,9 +27,8 @@ def report(paths: Paths, draws: int) -> str:
     model, _ = load_model(paths.model)
     if (why := batch_coupled(model)) is not None:
         raise DataError(f"{paths.model}: no noise scale {why}")
-    dataset = data.load(paths.data)
-    x, y = split_tensors(dataset.train, torch.device("cpu"))
-    exact = exact_noise_scale(model.train(), F.cross_entropy, x, y, draws=draws)
+    exact = exact_at_weights(model, data.load(paths.data).train, draws)
+    assert exact is not None  # batch_coupled said no above
     masks = f", {exact.draws} dropout masks a row" if exact.draws > 1 else ""
     lines = [
         f"exact B_simple = {exact.b_simple:.1f} at {paths.model} ({exact.rows} train rows' gradients{masks})",

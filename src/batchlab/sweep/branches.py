@@ -32,7 +32,7 @@ from batchlab.seeds.branches import branch_losses
 from batchlab.seeds.vectorized import fit_seeds
 from batchlab.sweep.plan import Experiment, Keyed, keyed, probe_every, step_mib
 from batchlab.training.branch import branch_loss
-from batchlab.training.gns_exact import batch_coupled, exact_noise_scale
+from batchlab.training.gns_exact import batch_coupled, exact_at_weights
 from batchlab.training.gns_probes import FullSplitProbe, at_saved_weights
 from batchlab.training.optim import steps_per_epoch
 from batchlab.training.strategy import session
@@ -253,14 +253,10 @@ def _noise(cfg: Config, dataset: data.Dataset, saved: dict[str, Any]) -> tuple[f
     take row by row)."""
     model = initial_model(cfg, dataset.input_shape, dataset.n_classes, dataset.vocab)
     model.load_state_dict(saved["model"])
-    model.train()  # dropout on, as a training step has it
     if batch_coupled(model) is not None:
         return math.nan, math.nan
+    found = exact_at_weights(model, dataset.train) if len(dataset.train.y) <= cfg.sweep.exact_noise_rows else None
+    model.train()  # dropout on, as a training step has it
     x, y = split_tensors(dataset.train, torch.device("cpu"))
-    exact = (
-        exact_noise_scale(model, F.cross_entropy, x, y).b_simple
-        if x.shape[0] <= cfg.sweep.exact_noise_rows
-        else math.nan
-    )
     reading = at_saved_weights(FullSplitProbe(model, F.cross_entropy, x, y), x.shape[0])
-    return float(exact), reading.b_simple if reading is not None else math.nan
+    return found.b_simple if found else math.nan, reading.b_simple if reading is not None else math.nan

@@ -17,7 +17,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.nn.utils import vector_to_parameters
 
 from batchlab import atomic, data
@@ -25,8 +24,7 @@ from batchlab.config import Config
 from batchlab.model import build_model, save_torch
 from batchlab.paths import Paths
 from batchlab.study import analysis, critical
-from batchlab.training.gns_exact import batch_coupled, exact_noise_scale
-from batchlab.training.train import split_tensors
+from batchlab.training.gns_exact import exact_at_weights
 
 EXACT = "exact_noise.json"
 
@@ -67,11 +65,11 @@ def exact_at(
         return known[str(step)]
     if saved is None or step not in saved["steps"]:
         return None
-    model = build_model(cfg.model, dataset.input_shape, dataset.n_classes, dataset.vocab).train()
-    if batch_coupled(model) is not None:  # no per-row gradient: no exact value to compare with
-        return None
+    model = build_model(cfg.model, dataset.input_shape, dataset.n_classes, dataset.vocab)
     vector_to_parameters(saved["weights"][saved["steps"].index(step)], model.parameters())
-    exact = exact_noise_scale(model, F.cross_entropy, *split_tensors(dataset.train, torch.device("cpu")))
+    exact = exact_at_weights(model, dataset.train)
+    if exact is None:  # no per-row gradient: no exact value to compare with
+        return None
     known[str(step)] = {"b_simple": exact.b_simple, "grad_sq": exact.grad_sq, "trace": exact.trace,
                         "trace_mask": exact.trace_mask, "rows": exact.rows, "draws": exact.draws}
     atomic.write_json(cache, {"key": key, "steps": known})  # a retrained experiment's key differs

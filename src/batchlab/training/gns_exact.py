@@ -30,10 +30,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
+
+if TYPE_CHECKING:
+    from batchlab.data import Split
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 DRAWS = 8  # dropout masks per row: the |G|² estimate's relative error from the masks is ~1/sqrt(draws pairs)
@@ -146,6 +150,17 @@ def exact_noise_scale(
             return found
         torch.manual_seed(seed)
         return _vmapped(model, loss_fn, x, y, draws, chunk)
+
+
+def exact_at_weights(model: nn.Module, rows: Split, draws: int = DRAWS) -> ExactNoise | None:
+    """The exact noise scale of the cross-entropy over `rows` (a split: every row's gradient) at the
+    model's weights as they are, in train mode (dropout's masks drawn as a step draws them): what the
+    sweep's truth, the local CBS's points and `batchlab noise-scale` compute. None where a row's
+    gradient depends on its batch (batch_coupled: no per-row gradient to compare with)."""
+    if batch_coupled(model) is not None:
+        return None
+    x, y = torch.from_numpy(rows.x), torch.from_numpy(rows.y)
+    return exact_noise_scale(model.train(), torch.nn.functional.cross_entropy, x, y, draws=draws)
 
 
 def _factored(
