@@ -188,3 +188,33 @@ def test_no_module_over_300_lines_and_no_function_over_70() -> None:
         and node.end_lineno - node.lineno + 1 > 70
     }
     assert long_modules == {} and long_functions == {}, (long_modules, long_functions)
+
+
+def _third_party_imports(file: Path) -> set[str]:
+    """The top-level names of what `file` imports, at any depth, leaving TYPE_CHECKING blocks out."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(file.read_text()))
+    return found
+
+
+def test_the_sweep_plans_and_stores_and_imports_no_torch() -> None:
+    """sweep/ decides what to measure, keys it, runs it through an executor and stores the answer;
+    whatever needs torch (training, branching, the exact noise scale, the clock's threads) is a
+    function of training/ or seeds/."""
+    sweep = {name: file for name, file in _modules().items() if _unit(name) == "sweep"}
+    torch_users = sorted(name for name, file in sweep.items() if "torch" in _third_party_imports(file))
+    assert torch_users == [], f"sweep/ modules that import torch: {torch_users}"
+    assert "torch" in _third_party_imports(SRC / "training" / "train.py")  # the check sees an import that is there

@@ -17,6 +17,7 @@ from batchlab import atomic, stages
 from batchlab.config import ConfigError, parse_config
 from batchlab.data import Dataset, Split, build
 from batchlab.paths import Paths
+from batchlab.seeds import branches as seeds_branches
 from batchlab.seeds.branches import branch_losses
 from batchlab.study import local_cbs
 from batchlab.sweep import branches, executors, plan
@@ -137,7 +138,7 @@ def test_an_interrupted_seed_resumes_at_its_first_unfinished_point(
             raise KeyboardInterrupt
         return trains(*args)
 
-    monkeypatch.setattr(branches, trains.__name__, counted)
+    monkeypatch.setattr(seeds_branches, trains.__name__, counted)  # where the branches train
     # together: the first point's two multipliers, then the second's first; apart: seed 0's two
     # points, seed 1's first, then seed 1's second starts
     stop_at: int | None = 2 + 1 if together else 2 * 2 + 2 + 1
@@ -195,7 +196,7 @@ def test_a_sweep_with_local_cbs_reports_stores_and_reuses_its_branches(
     def refuse(*args: object) -> float:
         raise AssertionError("a rerun trained a branch again")
 
-    monkeypatch.setattr(branches, "branch_loss", refuse)
+    monkeypatch.setattr(seeds_branches, "branch_loss", refuse)
     again = run_sweep(cfg, paths)
     assert again["local_cbs.p25.cbs"] == summary["local_cbs.p25.cbs"]
 

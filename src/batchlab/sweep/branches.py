@@ -21,22 +21,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-
 from batchlab import atomic, data
 from batchlab.config import Config, ConfigError
 from batchlab.paths import Paths
+from batchlab.seeds import branches as seeds_branches
 from batchlab.seeds import vectorized
-from batchlab.seeds.branches import branch_losses
-from batchlab.seeds.vectorized import fit_seeds
 from batchlab.sweep.plan import Experiment, Keyed, keyed, probe_every, step_mib
-from batchlab.training.branch import branch_loss
-from batchlab.training.gns_exact import batch_coupled, exact_at_weights
-from batchlab.training.gns_probes import FullSplitProbe, at_saved_weights
 from batchlab.training.optim import steps_per_epoch
-from batchlab.training.strategy import session
-from batchlab.training.train import fit, initial_model, split_tensors
 
 log = logging.getLogger(__name__)
 
@@ -189,35 +180,14 @@ def _train_points(
              "multiplier)%s", ", ".join(str(j.exp.seed) for j in jobs), examples, 100 * examples / (epochs * n_train),
              f"; resuming at epoch {at[done]}" if done else "")
     cfgs = [job.cfg for job in jobs]
-    for epoch in at[done:]:
-        with session(cfgs[0].train) as strategy:  # each resumes train.pt where an interrupted run left it
-            trained = (
-                [fit(cfgs[0], dataset, strategy, checkpoint=wheres[0] / "train.pt", until=epoch)]
-                if len(cfgs) == 1
-                else fit_seeds(cfgs, dataset, strategy, checkpoints=[w / "train.pt" for w in wheres], until=epoch)
-            )
-        kept = [where / f"epoch-{epoch}.pt" for where in wheres]
-        for where, path in zip(wheres, kept, strict=True):
-            shutil.copyfile(where / "train.pt", path)
-        losses = [_losses(cfgs, dataset, kept, k, examples) for k in ks]  # per multiplier, per seed
-        for i, (job, where, result) in enumerate(zip(jobs, wheres, trained, strict=True)):
-            saved = torch.load(kept[i], map_location="cpu", weights_only=True)
-            row, (exact, estimate) = result.history[-1], _noise(cfg, dataset, saved)
-            mine = [per_k[i] for per_k in losses]
-            points[i].append({"epoch": epoch, "fraction": epoch / epochs, "examples": int(saved["state"]["examples"]),
-                              "start": float(row["val_loss"]), "losses": mine,
-                              "b_simple_exact": exact, "b_simple_estimate": estimate})
+    steps = seeds_branches.run_to_points(cfgs, dataset, wheres, at[done:], ks, examples, cfg.sweep.exact_noise_rows)
+    for epoch, figures in steps:
+        for i, (job, where, figure) in enumerate(zip(jobs, wheres, figures, strict=True)):
+            points[i].append({"epoch": epoch, "fraction": epoch / epochs, **figure})
             atomic.write_json(where / "branches.json", {"key": placed[i][1], "examples_per_branch": examples,
                                                         "points": points[i]})
-            log.info("local CBS: seed %d, epoch %d: val loss %.4f -> %s", job.exp.seed, epoch, row["val_loss"],
-                     ", ".join(f"{k}x {v:.4f}" for k, v in zip(ks, mine, strict=True)))
-
-
-def _losses(cfgs: list[Config], dataset: data.Dataset, kept: list[Path], k: int, examples: int) -> list[float]:
-    """Each seed's val loss after its branch at multiplier `k`: together (seeds/branches.py), or alone."""
-    if len(cfgs) > 1:
-        return branch_losses(cfgs, dataset, kept, k, examples)
-    return [branch_loss(cfgs[0], dataset, torch.load(kept[0], map_location="cpu", weights_only=True), k, examples)]
+            log.info("local CBS: seed %d, epoch %d: val loss %.4f -> %s", job.exp.seed, epoch, figure["start"],
+                     ", ".join(f"{k}x {v:.4f}" for k, v in zip(ks, figure["losses"], strict=True)))
 
 
 def _placed(
@@ -244,19 +214,3 @@ def _stored(file: Path, key: str, epochs: list[int]) -> list[dict[str, Any]]:
         return points
     shutil.rmtree(file.parent, ignore_errors=True)
     return []
-
-
-def _noise(cfg: Config, dataset: data.Dataset, saved: dict[str, Any]) -> tuple[float, float]:
-    """The exact B_simple at the checkpoint's weights and the in-training estimator's reading there
-    (the probe training uses, pooled as at the saved weights): NaN where not computable (beyond
-    sweep.exact_noise_rows, a model whose rows are coupled by batch statistics, or one vmap cannot
-    take row by row)."""
-    model = initial_model(cfg, dataset.input_shape, dataset.n_classes, dataset.vocab)
-    model.load_state_dict(saved["model"])
-    if batch_coupled(model) is not None:
-        return math.nan, math.nan
-    found = exact_at_weights(model, dataset.train) if len(dataset.train.y) <= cfg.sweep.exact_noise_rows else None
-    model.train()  # dropout on, as a training step has it
-    x, y = split_tensors(dataset.train, torch.device("cpu"))
-    reading = at_saved_weights(FullSplitProbe(model, F.cross_entropy, x, y), x.shape[0])
-    return found.b_simple if found else math.nan, reading.b_simple if reading is not None else math.nan

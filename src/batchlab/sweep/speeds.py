@@ -17,8 +17,6 @@ import json
 import logging
 from pathlib import Path
 
-import torch
-
 from batchlab import atomic, data
 from batchlab.config import Config
 from batchlab.paths import Paths
@@ -59,13 +57,9 @@ def table_for(cfg: Config, paths: Paths, experiments: list[Experiment], dataset:
         stored = Table.from_dict(json.loads(path.read_text()))
         if stored.key == key and all(stored.entry(b) is not None for b in sizes):
             return stored
-    before = torch.get_num_threads()
-    threads.use_threads(n)
-    try:
-        log.info("sweep: timing batch sizes %s side by side (the throughput table)", ", ".join(map(str, sizes)))
+    log.info("sweep: timing batch sizes %s side by side (the throughput table)", ", ".join(map(str, sizes)))
+    with threads.on_threads(n):
         table = throughput.measure(cfg, dataset, sizes, key, probe=cfg.train.gns)
-    finally:
-        threads.use_threads(before)
     atomic.write_json(path, table.to_dict())
     log.info("sweep: throughput table in %.1f s (load %.2f -> %.2f): %s", table.seconds, table.load_before[0],
              table.load_after[0], ", ".join(f"{b}: {table.samples_per_s(b):.0f}/s" for b in sizes))

@@ -16,15 +16,11 @@ import json
 import math
 from typing import Any
 
-import torch
-from torch.nn.utils import vector_to_parameters
-
 from batchlab import atomic, data
 from batchlab.config import Config
-from batchlab.model import build_model, save_torch
 from batchlab.paths import Paths
 from batchlab.study import analysis, critical
-from batchlab.training.gns_exact import exact_at_weights
+from batchlab.training.curve_weights import CurveWeights
 
 EXACT = "exact_noise.json"
 
@@ -35,16 +31,9 @@ def trim(folder: Paths, curve_val_loss: list[float], target_val_loss: float | No
     plus the margin), up to the first at or below that."""
     bound = target_val_loss if target_val_loss is not None else min(curve_val_loss) * (1 + critical.TARGET_MARGIN)
     last = next((i for i, loss in enumerate(curve_val_loss) if loss <= bound), len(curve_val_loss) - 1)
-    if folder.curve_weights.is_file():
-        _keep_first(folder, torch.load(folder.curve_weights, weights_only=True), last + 1)
-
-
-def _keep_first(folder: Paths, saved: dict[str, Any], points: int) -> None:
-    """Keep the weights `saved` (the folder's, loaded) of the first `points` val points only."""
-    path = folder.curve_weights
-    if len(saved["steps"]) > points:
-        # a clone: a saved slice would keep the whole storage it views
-        save_torch(path, {"steps": saved["steps"][:points], "weights": saved["weights"][:points].clone()})
+    saved = CurveWeights.load(folder.curve_weights)
+    if saved is not None:
+        saved.keep_first(last + 1)
 
 
 def exact_at(
@@ -57,17 +46,14 @@ def exact_at(
     cache = folder.reports / EXACT
     stored = json.loads(cache.read_text()) if cache.is_file() else {}
     known: dict[str, dict[str, float]] = stored.get("steps", {}) if stored.get("key") == key else {}
-    path = folder.curve_weights
-    saved = torch.load(path, weights_only=True) if path.is_file() else None
-    if trim and saved is not None and step in saved["steps"]:
-        _keep_first(folder, saved, saved["steps"].index(step) + 1)
+    saved = CurveWeights.load(folder.curve_weights)
+    if trim and saved is not None and step in saved.steps:
+        saved = saved.keep_first(saved.steps.index(step) + 1)
     if str(step) in known:
         return known[str(step)]
-    if saved is None or step not in saved["steps"]:
+    if saved is None or step not in saved.steps:
         return None
-    model = build_model(cfg.model, dataset.input_shape, dataset.n_classes, dataset.vocab)
-    vector_to_parameters(saved["weights"][saved["steps"].index(step)], model.parameters())
-    exact = exact_at_weights(model, dataset.train)
+    exact = saved.exact_at(step, cfg.model, dataset)
     if exact is None:  # no per-row gradient: no exact value to compare with
         return None
     known[str(step)] = {"b_simple": exact.b_simple, "grad_sq": exact.grad_sq, "trace": exact.trace,

@@ -4,12 +4,13 @@ that starts a spawned process with its share of the cores."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from typing import TYPE_CHECKING, TypeVar
@@ -146,6 +147,19 @@ def use_threads(threads: int) -> None:
 
     torch.set_num_threads(threads)
     log.debug("torch threads: %d", threads)  # the run tags and train_summary.json record it
+
+
+@contextlib.contextmanager
+def on_threads(threads: int) -> Iterator[None]:
+    """This process's torch operations on `threads` threads for the block, then as they were."""
+    import torch
+
+    before = torch.get_num_threads()
+    use_threads(threads)
+    try:
+        yield
+    finally:
+        use_threads(before)
 
 
 def _run_with_cores(cores: int, fn: Callable[..., T], *args: object) -> T:
