@@ -19,6 +19,7 @@ import bench_local_cbs
 from batchlab import data, stages
 from batchlab.config import Config, load_config
 from batchlab.paths import Paths
+from batchlab.seeds.vectorized import sweep_trains_apart
 from batchlab.study import local_cbs
 from batchlab.sweep import branches
 from batchlab.training import threads
@@ -72,7 +73,8 @@ def main() -> dict[str, Any]:
                 stages.generate(cfg, paths)
                 dataset = data.load(paths.data)
                 threads.use_threads(threads.sweep_threads(cfg, data.shape(paths.data)))  # as a sweep's branches
-                raw_points, wall = timed(lambda: branches.run(cfg, paths, dataset))  # noqa: B023
+                together = sweep_trains_apart(cfg, lambda: dataset) is None  # noqa: B023
+                raw_points, wall = timed(lambda: branches.run(cfg, paths, dataset, together))  # noqa: B023
             points = local_cbs.points_of(raw_points, cfg.sweep.local_cbs_tolerance)
             width, spanning, measured = widths(points)
             reference = wall if math.isnan(reference) else reference

@@ -16,7 +16,7 @@ SRC = Path(batchlab.__file__).resolve().parent
 # bottom first: a module imports modules of its own unit (top-level module or folder) or of a
 # lower layer, never of its own layer's other units or of a higher one
 LAYERS: list[set[str]] = [
-    {"atomic", "collector", "config", "paths"},
+    {"atomic", "collector", "config", "kept", "paths"},
     {"data"},
     {"validate", "model"},
     {"evaluate", "inference"},  # ONNX and onnxruntime: no torch training, no tracking

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from batchlab import atomic, data, tracking
+from batchlab import atomic, data, kept, tracking
 from batchlab import config as config_module
 from batchlab.config import Config
 from batchlab.paths import Paths
@@ -29,8 +29,7 @@ def generate_inputs_key(cfg: Config) -> str:
 
 
 def generated_is_current(cfg: Config, paths: Paths) -> bool:
-    meta = paths.data / "dataset.json"
-    return meta.is_file() and json.loads(meta.read_text()).get("inputs_key") == generate_inputs_key(cfg)
+    return kept.read(paths.data / "dataset.json", generate_inputs_key(cfg), field="inputs_key") is not None
 
 
 def generate(cfg: Config, paths: Paths = Paths()) -> dict[str, Any]:

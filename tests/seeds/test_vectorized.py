@@ -27,7 +27,7 @@ from batchlab.training.strategy import Strategy
 from batchlab.training.support import seeds_train_apart
 from batchlab.training.throughput import Table
 from batchlab.training.train import TrainResult, fit
-from tests.support import tiny_config
+from tests.support import seeds_apart, tiny_config
 
 TOL = 1e-6
 # timings and the process's memory are measured, not computed: they differ between any two runs
@@ -174,12 +174,13 @@ def test_seeds_train_apart_where_the_vectorized_path_does_not_apply(
 ) -> None:
     todo = [Experiment(b, s, 0.01, 3) for b in (16, 32) for s in (0, 1)]
     paths = Paths(tmp_path)  # the MLP's seeds group on the config alone: no data read
-    assert [len(g) for g in groups.groups(tiny_config(sweep={"seeds": [0, 1]}), todo, paths)] == [2, 2]
+    mlp = tiny_config(sweep={"seeds": [0, 1]})
+    assert [len(g) for g in groups.groups(mlp, todo, seeds_apart(mlp, paths))] == [2, 2]
     off = tiny_config(sweep={"seeds": [0, 1], "vectorize_seeds": False})
-    assert [len(g) for g in groups.groups(off, todo, paths)] == [1, 1, 1, 1]
+    assert [len(g) for g in groups.groups(off, todo, seeds_apart(off, paths))] == [1, 1, 1, 1]
     ddp = tiny_config(train={"strategy": "ddp", "nproc": 2}, sweep={"seeds": [0, 1]})
     with caplog.at_level(logging.INFO, logger="batchlab.sweep.groups"):
-        assert [len(g) for g in groups.groups(ddp, todo, paths)] == [1, 1, 1, 1]
+        assert [len(g) for g in groups.groups(ddp, todo, seeds_apart(ddp, paths))] == [1, 1, 1, 1]
     said = [r.getMessage() for r in caplog.records if r.name == "batchlab.sweep.groups"]
     assert len(said) == 1 and "seeds train one after another: train.strategy ddp with 2 ranks" in said[0]
     with pytest.raises(ValueError, match="fp16"):
@@ -194,7 +195,7 @@ def test_the_fixed_rows_seeds_train_together_when_params_ask_batchlab_train_for_
     Before, the sweep's own config was asked, and every fixed row trained its seeds one by one."""
     cfg = tiny_config(train={"adaptive_batch": True, "batch_size": 16}, sweep={"seeds": [0, 1], "adaptive": True})
     todo = plan(cfg, n_train=420)
-    work = groups.groups(cfg, todo, Paths(tmp_path))
+    work = groups.groups(cfg, todo, seeds_apart(cfg, Paths(tmp_path)))
     fixed = [w for w in work if not any(e.adaptive for e in w.experiments)]
     assert fixed and all(len(w) == 2 for w in fixed)
     assert sorted(len(w) for w in work if w not in fixed) == [1, 1]  # each adaptive seed alone

@@ -27,7 +27,7 @@ from batchlab.sweep.plan import Experiment
 from batchlab.training import gns_probes
 from batchlab.training.strategy import Strategy
 from batchlab.training.train import TrainResult, fit, initial_model
-from tests.support import tiny_config
+from tests.support import seeds_apart, tiny_config
 
 TOL = 1e-5
 MEASURED = {"samples_per_s", "epoch_seconds", "peak_memory_mb"}
@@ -215,7 +215,7 @@ def test_a_model_the_vmap_path_cannot_take_trains_its_seeds_apart_saying_why(
     todo = [Experiment(b, s, 0.01, 2) for b in (16, 32) for s in (0, 1)]
     sweep_cfg = tiny_config(data=IMAGES, model=model, sweep={"seeds": [0, 1]})
     with caplog.at_level(logging.INFO, logger="batchlab.sweep.groups"):
-        assert [len(g) for g in groups.groups(sweep_cfg, todo, paths)] == [1, 1, 1, 1]
+        assert [len(g) for g in groups.groups(sweep_cfg, todo, seeds_apart(sweep_cfg, paths))] == [1, 1, 1, 1]
     said = [r.getMessage() for r in caplog.records if r.name == "batchlab.sweep.groups"]
     assert len(said) == 1, said
     assert said[0].startswith(f"sweep: seeds train one after another: model.factory {HERE}:{factory}: {reason}")

@@ -51,6 +51,15 @@ def tiny_config(**override: dict[str, Any]) -> Config:
     return parse_config(merge(TINY, override))
 
 
+def seeds_apart(cfg: Config, paths: Any) -> str | None:
+    """The sweep's one answer to whether its seeds train together (run.prepare's), for a test that
+    groups or branches without a whole sweep: why they cannot, or None."""
+    from batchlab import data
+    from batchlab.seeds.vectorized import sweep_trains_apart
+
+    return sweep_trains_apart(cfg, lambda: data.load(paths.data))
+
+
 def free_port() -> int:
     """A 127.0.0.1 port nothing listens on right now, for a server a test starts."""
     with socket.socket() as s:

@@ -12,7 +12,7 @@ from batchlab import atomic, data
 from batchlab.config import load_config
 from batchlab.paths import Paths
 from batchlab.sweep import groups
-from batchlab.sweep.plan import Lane, Work, plan
+from batchlab.sweep.plan import Experiments, Lane, plan
 
 
 def main(folder: str, parent_run_id: str, names: str, out: str) -> None:
@@ -23,7 +23,7 @@ def main(folder: str, parent_run_id: str, names: str, out: str) -> None:
     everything = plan(cfg, int(data.load(paths.data).train.y.shape[0]))
     experiments = tuple(e for e in everything if e.name in wanted)
     assert [e.name for e in experiments] == wanted, [e.name for e in everything]
-    rows = groups.train_work(Lane(cfg, paths, parent_run_id), Work(experiments))
+    rows = groups.train_work(Lane(cfg, paths, parent_run_id), Experiments(experiments))
     atomic.write_json(out, rows)
 
 

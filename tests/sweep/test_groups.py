@@ -12,7 +12,7 @@ from batchlab import atomic, data
 from batchlab.paths import Paths
 from batchlab.sweep import executors, groups, speeds
 from batchlab.sweep.plan import Lane, plan
-from tests.support import tiny_config
+from tests.support import seeds_apart, tiny_config
 
 HERE = "tests.sweep.test_groups"
 
@@ -34,7 +34,7 @@ def test_a_batchnorm_factory_sweep_reads_each_experiments_speed_from_the_table(t
     dataset, scaler = data.build(cfg.data)
     data.save(dataset, scaler, paths.data)
     todo = plan(cfg, dataset.train.y.shape[0], dataset)
-    work = groups.groups(cfg, todo, paths)
+    work = groups.groups(cfg, todo, seeds_apart(cfg, paths))
     assert [len(w) for w in work] == [1] * 4
 
     table = speeds.table_for(cfg, paths, todo, dataset)

@@ -18,6 +18,7 @@ from batchlab.config import ConfigError, parse_config
 from batchlab.data import Dataset, Split, build
 from batchlab.paths import Paths
 from batchlab.seeds import branches as seeds_branches
+from batchlab.seeds import vectorized
 from batchlab.seeds.branches import branch_losses
 from batchlab.study import local_cbs
 from batchlab.sweep import branches, executors, plan
@@ -52,6 +53,11 @@ def test_the_base_branch_continues_the_run_it_branches_from(tiny_dataset: Datase
     assert branch_loss(cfg, tiny_dataset, saved, 2, 2 * n) != run.history[-1]["val_loss"]
 
 
+def _together(cfg: Any, dataset: Dataset) -> bool:
+    """The sweep's one answer (run.prepare asks it once): whether these seeds train together."""
+    return vectorized.sweep_trains_apart(cfg, lambda: dataset) is None
+
+
 @pytest.mark.parametrize(("rule", "expected"), [("sqrt", (1, 1, 1)), ("linear", (8, 8, 8))])
 def test_without_gradient_noise_the_lr_rule_sets_the_local_cbs(workdir: Path, rule: str, expected: tuple) -> None:
     """No noise: a k-times batch takes 1/k of the steps on the same gradient. At √k the lr it falls
@@ -64,7 +70,8 @@ def test_without_gradient_noise_the_lr_rule_sets_the_local_cbs(workdir: Path, ru
         sweep={"seeds": [0, 1, 2, 3, 4], "lr_scaling": rule, "local_cbs": True, "local_cbs_points": [0.5],
                "local_cbs_multipliers": [1, 2, 4, 8], "local_cbs_fraction": 0.25},
     )  # fmt: skip
-    raw = branches.run(cfg, Paths(workdir), _noiseless())
+    dataset = _noiseless()
+    raw = branches.run(cfg, Paths(workdir), dataset, _together(cfg, dataset))
     (point,) = local_cbs.points_of(raw, cfg.sweep.local_cbs_tolerance)
     r = point.result
     assert point.epoch == 2 and r.measured and (r.multiplier, r.low, r.high) == expected, r
@@ -82,7 +89,8 @@ def test_five_seeds_of_real_branches_agree_with_fifty_seeds_brute_force_within_t
         sweep={"epochs": 4, "seeds": list(range(50)), "local_cbs": True, "local_cbs_points": [0.25],
                "local_cbs_multipliers": [1, 2, 4, 8], "local_cbs_fraction": 0.25, "lr_scaling": "linear"},
     )  # fmt: skip
-    (point,) = branches.run(cfg, Paths(workdir), build(cfg.data)[0])
+    dataset = build(cfg.data)[0]
+    (point,) = branches.run(cfg, Paths(workdir), dataset, _together(cfg, dataset))
     ks, tolerance = point["multipliers"], cfg.sweep.local_cbs_tolerance
     brute = local_cbs.estimate(point["start"], point["losses"], ks, tolerance)
     assert brute.measured and 1 < brute.multiplier < ks[-1], brute
@@ -108,7 +116,7 @@ def test_the_branches_run_ignores_early_stopping_as_the_studys_experiments_do(wo
     dataset = _noiseless(128)
     with session(cfg.train) as strategy:
         assert len(fit(cfg, dataset, strategy).history) == 2  # a plain training stops early
-    (point,) = branches.run(cfg, Paths(workdir), dataset)
+    (point,) = branches.run(cfg, Paths(workdir), dataset, _together(cfg, dataset))
     assert point["epoch"] == 3 and point["examples"] == 3 * 128
     for seed in (0, 1):
         saved = torch.load(workdir / f"sweep/local_cbs/seed{seed}/epoch-3.pt", weights_only=True)
@@ -128,7 +136,7 @@ def test_an_interrupted_seed_resumes_at_its_first_unfinished_point(
                "local_cbs_multipliers": [1, 2], "vectorize_seeds": together},
     )  # fmt: skip
     dataset = _noiseless(128)
-    unbroken = branches.run(cfg, Paths(tmp_path / "unbroken"), dataset)
+    unbroken = branches.run(cfg, Paths(tmp_path / "unbroken"), dataset, _together(cfg, dataset))
     calls: list[int] = []
     trains: Any = branch_losses if together else branch_loss  # the seeds' branches at once, or a seed's
 
@@ -143,13 +151,13 @@ def test_an_interrupted_seed_resumes_at_its_first_unfinished_point(
     # points, seed 1's first, then seed 1's second starts
     stop_at: int | None = 2 + 1 if together else 2 * 2 + 2 + 1
     with pytest.raises(KeyboardInterrupt):
-        branches.run(cfg, Paths(workdir), dataset)
+        branches.run(cfg, Paths(workdir), dataset, _together(cfg, dataset))
     for seed in (1,) if not together else (0, 1):
         stored = json.loads((workdir / f"sweep/local_cbs/seed{seed}/branches.json").read_text())
         assert [p["epoch"] for p in stored["points"]] == [1]
     calls.clear()
     stop_at = None
-    assert branches.run(cfg, Paths(workdir), dataset) == unbroken
+    assert branches.run(cfg, Paths(workdir), dataset, _together(cfg, dataset)) == unbroken
     assert calls == [1, 2]  # the second point only (apart: seed 1's)
 
 
@@ -171,7 +179,9 @@ def test_a_sweep_with_local_cbs_reports_stores_and_reuses_its_branches(
     stored = json.loads((workdir / "sweep/local_cbs/seed0/branches.json").read_text())
     assert [p["epoch"] for p in stored["points"]] == [1, 2] and len(stored["points"][0]["losses"]) == 3
     assert (workdir / "sweep/local_cbs/seed0/epoch-1.pt").is_file()  # the branch point, in the resume format
-    points = local_cbs.points_of(branches.run(cfg, paths, stages_dataset(paths)), 0.1)
+    points = local_cbs.points_of(
+        branches.run(cfg, paths, stages_dataset(paths), _together(cfg, stages_dataset(paths))), 0.1
+    )
     text = (folder / "summary.md").read_text()
     assert "## The local critical batch size through training" in text
     assert local_cbs.section(points, 0.1, None).splitlines()[6] in text  # the first point's row, as computed
@@ -224,8 +234,10 @@ def test_each_seeds_branches_are_a_work_item_run_in_the_lanes(workdir: Path, tmp
     assert given[0] == "local-cbs-seed0+seed1" and not any("local-cbs" in name for name in given[1:])
     here = Paths(tmp_path)
     stages.generate(cfg, here)
-    in_process = branches.run(cfg, here, stages_dataset(here))
-    in_lanes = branches.run(cfg, paths, stages_dataset(paths))  # read back: nothing trains
+    in_process = branches.run(cfg, here, stages_dataset(here), _together(cfg, stages_dataset(here)))
+    in_lanes = branches.run(
+        cfg, paths, stages_dataset(paths), _together(cfg, stages_dataset(paths))
+    )  # read back: nothing trains
     for a, b in zip(in_lanes, in_process, strict=True):
         assert a["epoch"] == b["epoch"] and np.allclose(a["losses"], b["losses"], rtol=1e-6, atol=0)
     points = local_cbs.points_of(in_lanes, cfg.sweep.local_cbs_tolerance)

@@ -6,9 +6,9 @@ at every epoch), trained here up to each point with its checkpoint kept there
 (sweep/local_cbs/seed<s>/epoch-<e>.pt, the resume format). Each seed's branches are stored with a
 key (the experiment's and the branching settings'), point by point: a rerun recomputes nothing, an
 interrupted one resumes at the first unfinished point, an edit of the params, data or code
-recomputes them. Where the sweep's seeds train together (vectorized.sweep_trains_apart, as its
+recomputes them. Where the sweep's seeds train together (the sweep's one answer, as its
 experiments do), the seeds' runs to each point and each multiplier's branches train together
-(fit_seeds, seeds/branches.py), and all seeds' branches are one work item of the executor.
+(seeds/branches.py), and all seeds' branches are one task (plan.Branches) of the executor.
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from batchlab import atomic, data
+from batchlab import atomic, data, kept
 from batchlab.config import Config, ConfigError
 from batchlab.paths import Paths
 from batchlab.seeds import branches as seeds_branches
-from batchlab.seeds import vectorized
-from batchlab.sweep.plan import Experiment, Keyed, keyed, probe_every, step_mib
+from batchlab.sweep.plan import Branches, Experiment, Keyed, keyed, probe_every, step_mib
 from batchlab.training.optim import steps_per_epoch
 
 log = logging.getLogger(__name__)
@@ -82,11 +81,11 @@ def multipliers(cfg: Config, dataset: data.Dataset) -> list[int]:
     return fits
 
 
-def work_items(cfg: Config, paths: Paths) -> list[tuple[int, ...]]:
+def work_items(cfg: Config, paths: Paths, together: bool) -> list[Branches]:
     """The seeds whose branches are not all stored under their key, as the sweep's executor runs
-    them beside its experiments: all in one work item where the sweep's seeds train together
-    (vectorized.sweep_trains_apart, as `_seeds` trains them), else one each (none when
-    sweep.local_cbs is off)."""
+    them beside its experiments: all in one task where the sweep's seeds train together
+    (`together`: the sweep's one answer, run.prepare's), else one each (none when sweep.local_cbs
+    is off)."""
     if not cfg.sweep.local_cbs:
         return []
     dataset = data.load(paths.data)
@@ -96,18 +95,19 @@ def work_items(cfg: Config, paths: Paths) -> list[tuple[int, ...]]:
         _, key, where, at = _placed(cfg, paths, dataset, seed, n_train, ks)
         if [p["epoch"] for p in _read(where / "branches.json", key)] != at:
             seeds.append(seed)
-    if len(seeds) < 2 or vectorized.sweep_trains_apart(cfg, lambda: dataset) is not None:
-        return [(seed,) for seed in seeds]
-    return [tuple(seeds)]
+    if len(seeds) < 2 or not together:
+        return [Branches((seed,), together) for seed in seeds]
+    return [Branches(tuple(seeds), together)]
 
 
-def run_seeds(cfg: Config, paths: Paths, seeds: tuple[int, ...]) -> dict[str, Any]:
-    """Seeds' branches as a work item of the sweep (groups.train_work, in a lane or on a Dask
-    worker): trained where not stored, and each stored file's content returned by seed (`keep`
-    puts them in the sweep's own folder when the worker's is another)."""
+def run_seeds(cfg: Config, paths: Paths, work: Branches) -> dict[str, Any]:
+    """Seeds' branches as a task of the sweep (groups.train_work, in a lane or on a Dask worker):
+    trained where not stored, and each stored file's content returned by seed (`keep` puts them in
+    the sweep's own folder when the worker's is another)."""
     dataset = data.load(paths.data)
-    _seeds(cfg, paths, dataset, list(seeds), int(dataset.train.y.shape[0]), multipliers(cfg, dataset))
-    return {str(seed): json.loads((folder(paths) / f"seed{seed}" / "branches.json").read_text()) for seed in seeds}
+    n_train, ks = int(dataset.train.y.shape[0]), multipliers(cfg, dataset)
+    _seeds(cfg, paths, dataset, list(work.seeds), n_train, ks, work.together)
+    return {str(seed): json.loads((folder(paths) / f"seed{seed}" / "branches.json").read_text()) for seed in work.seeds}
 
 
 def keep(paths: Paths, stored: dict[str, Any]) -> None:
@@ -116,12 +116,12 @@ def keep(paths: Paths, stored: dict[str, Any]) -> None:
         atomic.write_json(folder(paths) / f"seed{seed}" / "branches.json", content)
 
 
-def run(cfg: Config, paths: Paths, dataset: data.Dataset) -> list[dict[str, Any]]:
+def run(cfg: Config, paths: Paths, dataset: data.Dataset, together: bool) -> list[dict[str, Any]]:
     """Every point's branches over the seeds: [{epoch, fraction, examples, batch, multipliers,
     start: [per seed], losses: [per seed][per multiplier], b_simple_exact, b_simple_estimate}]
-    (the noise scale's, means over seeds)."""
+    (the noise scale's, means over seeds). `together`: whether the sweep's seeds train together."""
     n_train, ks = int(dataset.train.y.shape[0]), multipliers(cfg, dataset)
-    points = _seeds(cfg, paths, dataset, list(cfg.sweep.seeds), n_train, ks)
+    points = _seeds(cfg, paths, dataset, list(cfg.sweep.seeds), n_train, ks, together)
     per_seed = [points[seed] for seed in cfg.sweep.seeds]
     out = []
     for i, first in enumerate(per_seed[0]):
@@ -142,7 +142,7 @@ def _mean(values: list[float]) -> float:
 
 
 def _seeds(
-    cfg: Config, paths: Paths, dataset: data.Dataset, seeds: list[int], n_train: int, ks: list[int]
+    cfg: Config, paths: Paths, dataset: data.Dataset, seeds: list[int], n_train: int, ks: list[int], together: bool
 ) -> dict[int, list[dict[str, Any]]]:
     """Each seed's points: those its stored file holds under the same key, the rest trained, the
     seeds at the same point together where the sweep's seeds train together, else one by one."""
@@ -151,7 +151,7 @@ def _seeds(
     todo = [seed for seed in seeds if len(points[seed]) < len(placed[seed][3])]
     if not todo:
         return points
-    if vectorized.sweep_trains_apart(cfg, lambda: dataset) is not None:  # work_items' rule
+    if not together:
         parts = [[seed] for seed in todo]
     else:  # seeds that resume at one point train together
         by_done: dict[int, list[int]] = {}
@@ -201,8 +201,8 @@ def _placed(
 
 def _read(file: Path, key: str) -> list[dict[str, Any]]:
     """The points a seed's file holds for `key`, in order (none: no file, or another key's)."""
-    found = json.loads(file.read_text()) if file.is_file() else {}
-    return list(found["points"]) if found.get("key") == key else []
+    found = kept.read(file, key)
+    return list(found["points"]) if found is not None else []
 
 
 def _stored(file: Path, key: str, epochs: list[int]) -> list[dict[str, Any]]:

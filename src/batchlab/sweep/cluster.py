@@ -37,7 +37,7 @@ import batchlab
 from batchlab import atomic, data, orchestration, tracking
 from batchlab.paths import Paths
 from batchlab.sweep import branches, groups, progress, stop
-from batchlab.sweep.plan import Lane, Results, Work, code_hash, folder_of
+from batchlab.sweep.plan import Branches, Experiments, Lane, Results, Work, code_hash, folder_of
 from batchlab.sweep.preflight import DaskUnavailable, PrefectUnavailable
 from batchlab.training import threads
 
@@ -133,8 +133,8 @@ def on_cluster(lane: Lane, work: list[Work], want: Expected, sweep_id: str) -> d
     paths = lane.paths
     root, outputs = str(paths.root.resolve()), os.path.relpath(paths.outputs, paths.root)
     futures = [experiment.submit(lane, item, item.name, root, outputs, want, sweep_id) for item in work]
-    by_name = {exp.name: exp for item in work for exp in item.experiments}
-    branched = {item.name for item in work if item.branch_seeds}
+    by_name = {exp.name: exp for item in work if isinstance(item, Experiments) for exp in item.experiments}
+    branched = {item.name for item in work if isinstance(item, Branches)}
     results: dict[str, dict[str, Any]] = {}
     for done in as_completed(futures):
         for name, result in done.result().items():

@@ -8,7 +8,6 @@ when Dask runs its task again. Its plan and identity (config, key, folder, tags)
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import time
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from batchlab import atomic, data, tracking
+from batchlab import atomic, data, kept, tracking
 from batchlab.config import Config
 from batchlab.sweep import probes, scoring, truth
 from batchlab.sweep.plan import KEY_TAG, Experiment, Keyed, Lane, Work, experiment_tags, keyed
@@ -147,10 +146,7 @@ def measure(
 
 def read_result(path: Path, expected: str) -> dict[str, Any] | None:
     """The result.json at `path` when it is the result of the experiment keyed `expected`."""
-    if not path.is_file():
-        return None
-    result: dict[str, Any] = json.loads(path.read_text())
-    return result if result.get("fingerprint") == expected else None
+    return kept.read(path, expected, field="fingerprint")
 
 
 def with_sweep_threads(run: Callable[[Lane, Work], R], lane: Lane, work: Work) -> R:

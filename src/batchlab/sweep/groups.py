@@ -25,7 +25,7 @@ from batchlab.paths import Paths
 from batchlab.seeds import vectorized
 from batchlab.sweep import branches, experiment, lock
 from batchlab.sweep.experiment import Clock
-from batchlab.sweep.plan import Experiment, Keyed, Lane, Work, keyed
+from batchlab.sweep.plan import Branches, Experiment, Experiments, Keyed, Lane, Work, keyed
 from batchlab.training import threads, tracked
 from batchlab.training.strategy import session
 from batchlab.training.train import TrainResult
@@ -34,23 +34,22 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def groups(cfg: Config, todo: list[Experiment], paths: Paths) -> list[Work]:
+def groups(cfg: Config, todo: list[Experiment], apart: str | None) -> list[Experiments]:
     """The experiments to run, grouped by (batch size, lr multiplier) when their seeds can train
-    together, else one per group; says once why they cannot. A model other than the MLP is tried
-    on a batch of the prepared train rows (seeds/functional.why_apart): one that must train its
-    seeds apart (BatchNorm, its own random draws) is not grouped, so its seeds fill the lanes and
-    each keeps its own wall time. The one place the sweep decides it: each work item carries it."""
-    reason = vectorized.sweep_trains_apart(cfg, lambda: data.load(paths.data))
-    if reason is not None:
+    together, else one per group. `apart`: why they cannot (None: they can), the sweep's one answer
+    (run.prepare asks vectorized.sweep_trains_apart: a model other than the MLP is tried on a batch
+    of the prepared train rows; one that must train its seeds apart, BatchNorm or its own random
+    draws, is not grouped, so its seeds fill the lanes and each keeps its own wall time); said once."""
+    if apart is not None:
         if cfg.sweep.vectorize_seeds and len(cfg.sweep.seeds) > 1:
-            log.info("sweep: seeds train one after another: %s", reason)
-        return [Work((exp,)) for exp in todo]
+            log.info("sweep: seeds train one after another: %s", apart)
+        return [Experiments((exp,)) for exp in todo]
     together: dict[tuple[int, float], list[Experiment]] = {}
     for exp in todo:
         if not exp.adaptive:  # each adaptive seed's batch follows its own readings: it trains alone
             together.setdefault((exp.batch_size, exp.lr_multiplier), []).append(exp)
     alone = [(exp,) for exp in todo if exp.adaptive]
-    return [Work(tuple(exps)) for exps in [*together.values(), *alone]]
+    return [Experiments(tuple(exps)) for exps in [*together.values(), *alone]]
 
 
 def run_work(lane: Lane, work: Work) -> dict[str, Any]:
@@ -63,17 +62,19 @@ def run_work(lane: Lane, work: Work) -> dict[str, Any]:
 
 
 def train_work(lane: Lane, work: Work) -> dict[str, Any]:
-    """Every experiment's result row, by name, each claimed first (lock.claimed): a second copy of
-    the task, run while the first still trains, waits and then finds the rows committed. Seeds'
-    local-CBS branches (`work.branch_seeds`): their stored points by seed, under the work item's name."""
-    if work.branch_seeds:
-        with lock.claimed(lane.paths, [work.name]):  # on the threads every work item here gets (run_work's callers)
-            return {work.name: branches.run_seeds(lane.cfg, lane.paths, work.branch_seeds)}
-    with lock.claimed(lane.paths, [exp.name for exp in work.experiments]):
-        return _train_claimed(lane, work)
+    """What the task measured, claimed first (lock.claimed): a second copy of the task, run while the
+    first still trains, waits and then finds it committed. Experiments: every result row, by name;
+    seeds' local-CBS branches: their stored points by seed, under the task's name."""
+    match work:
+        case Branches():
+            with lock.claimed(lane.paths, [work.name]):  # on the threads every task here gets (run_work's callers)
+                return {work.name: branches.run_seeds(lane.cfg, lane.paths, work)}
+        case Experiments():
+            with lock.claimed(lane.paths, [exp.name for exp in work.experiments]):
+                return _train_claimed(lane, work)
 
 
-def _train_claimed(lane: Lane, work: Work) -> dict[str, Any]:
+def _train_claimed(lane: Lane, work: Experiments) -> dict[str, Any]:
     """Seeds that resume from the same epoch (0: a fresh start) train together; one alone trains as before."""
     if len(work) == 1:
         exp = work.experiments[0]

@@ -76,22 +76,34 @@ def folder_of(paths: Paths, exp: Experiment) -> Paths:
 
 
 @dataclass(frozen=True)
-class Work:
-    """One task of the sweep: an experiment, or the seeds of one batch size and lr multiplier
-    trained together (decided once for the whole sweep: groups.groups), or seeds' local-CBS
-    branches (`branch_seeds`, together where the seeds train together: sweep/branches.py; no experiment)."""
+class Experiments:
+    """A task of the sweep: one experiment, or the seeds of one batch size and lr multiplier trained
+    together (decided once for the whole sweep: groups.groups)."""
 
     experiments: tuple[Experiment, ...]
-    branch_seeds: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
-        if self.branch_seeds:
-            return "local-cbs-" + "+".join(f"seed{seed}" for seed in self.branch_seeds)
         return "+".join(exp.name for exp in self.experiments)
 
     def __len__(self) -> int:
         return len(self.experiments)
+
+
+@dataclass(frozen=True)
+class Branches:
+    """A task of the sweep: seeds' local-CBS branches (sweep/branches.py), no experiment. `together`:
+    the sweep's one answer to whether its seeds train together (then one task holds them all)."""
+
+    seeds: tuple[int, ...]
+    together: bool
+
+    @property
+    def name(self) -> str:
+        return "local-cbs-" + "+".join(f"seed{seed}" for seed in self.seeds)
+
+
+Work = Experiments | Branches  # what an executor runs; groups.train_work dispatches on the kind
 
 
 @dataclass(frozen=True)

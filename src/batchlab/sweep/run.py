@@ -17,6 +17,7 @@ from typing import Any
 from batchlab import atomic, data, tracking
 from batchlab.config import Config
 from batchlab.paths import Paths
+from batchlab.seeds import vectorized
 from batchlab.study import analysis, clock, local_cbs, report
 from batchlab.sweep import branches, executors, experiment, groups, plan, progress, speeds, truth
 from batchlab.sweep import state as sweep_state
@@ -33,8 +34,10 @@ def prepare(cfg: Config, paths: Paths) -> Sweep:
     started = time.perf_counter()  # the sweep's wall time counts its clock's block
     dataset = data.load(paths.data)
     experiments = plan.plan(cfg, dataset.train.y.shape[0], dataset)
+    apart = vectorized.sweep_trains_apart(cfg, lambda: dataset)  # the one answer: its tasks carry it
     if plan.needs_schedule(experiments, cfg):  # the adaptive row's batch warmup: CBS(t), measured first
-        experiments = plan.with_schedule(experiments, local_cbs.schedule(local_points(cfg, paths, dataset)))
+        points = local_points(cfg, paths, dataset, apart is None)
+        experiments = plan.with_schedule(experiments, local_cbs.schedule(points))
     clock = speeds.table_for(cfg, paths, experiments, dataset)  # the sweep's first step
     experiments = plan.with_step_time(experiments, clock, cfg)
     data_hash = dataset.content_hash()
@@ -48,7 +51,7 @@ def prepare(cfg: Config, paths: Paths) -> Sweep:
             finished[exp.name] = done
     earlier = sweep_state.earlier_wall_seconds(state, finished)
     sweep = Sweep(experiments, finished, key, state.get("parent_run_id"), earlier, state.get("reported"), started,
-                  clock)
+                  clock, apart)
     if sweep.up_to_date:
         log.info(
             "sweep: all %d experiments already finished; nothing to do (to re-measure: delete %s/; under "
@@ -150,7 +153,7 @@ def finish(
     scored = truth.with_exact(cfg, dataset, folders, ordered, target)  # `ordered` stays the stored rows
     n_test = int(dataset.test.y.shape[0])
     result = analysis.analyse(scored, n_test, cfg.sweep.target_val_loss, cfg.sweep.memory_budget_mb)
-    points = local_points(cfg, paths, dataset)
+    points = local_points(cfg, paths, dataset, sweep.seeds_apart is None)
     run = training_setup(cfg)
     # what its seconds were read from: the side-by-side table, or (DDP/FSDP) each experiment's epochs
     timing = sweep.clock.to_dict() if sweep.clock is not None else clock.from_epochs(ordered, run)
@@ -203,12 +206,13 @@ def training_setup(cfg: Config) -> dict[str, Any]:
     }
 
 
-def local_points(cfg: Config, paths: Paths, dataset: data.Dataset) -> list[local_cbs.Point]:
-    """sweep.local_cbs's points, branched (or read back: sweep/branches.py) and estimated; none when off."""
+def local_points(cfg: Config, paths: Paths, dataset: data.Dataset, together: bool) -> list[local_cbs.Point]:
+    """sweep.local_cbs's points, branched (or read back: sweep/branches.py) and estimated; none when
+    off. `together`: whether the sweep's seeds train together."""
     if not cfg.sweep.local_cbs:
         return []
     threads.use_threads(threads.sweep_threads(cfg, data.shape(paths.data)))  # as the experiments trained
-    raw = branches.run(cfg, paths, dataset)
+    raw = branches.run(cfg, paths, dataset, together)
     return local_cbs.points_of(raw, cfg.sweep.local_cbs_tolerance)
 
 
@@ -250,12 +254,11 @@ def run_counted(executor: executors.Executor, lane: plan.Lane, sweep: Sweep) -> 
     together where they train together, else one per seed), queued first (the longest), so lanes
     and Dask workers run them beside the experiments, and the report reads them back (under the
     schedule rule they were measured before the plan: stored already)."""
-    seeds = branches.work_items(lane.cfg, lane.paths)
+    seeds = branches.work_items(lane.cfg, lane.paths, together=sweep.seeds_apart is None)
     if not sweep.todo and not seeds:
         return executor.run(lane, [])
-    work = [plan.Work((), branch_seeds=part) for part in seeds]
-    work += groups.groups(lane.cfg, sweep.todo, lane.paths) if sweep.todo else []
-    total = len(sweep.experiments) + len(seeds)  # each branch work item counts as one
+    work: list[plan.Work] = [*seeds, *(groups.groups(lane.cfg, sweep.todo, sweep.seeds_apart) if sweep.todo else [])]
+    total = len(sweep.experiments) + len(seeds)  # each branch task counts as one
     with progress.counting(total, len(sweep.experiments) - len(sweep.todo)):
         return executor.run(lane, work)
 

@@ -13,11 +13,10 @@ DDP and FSDP sweeps keep each experiment's own epochs' median: the table times o
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
-from batchlab import atomic, data
+from batchlab import atomic, data, kept
 from batchlab.config import Config
 from batchlab.paths import Paths
 from batchlab.sweep.plan import Experiment, code_hash
@@ -53,9 +52,10 @@ def table_for(cfg: Config, paths: Paths, experiments: list[Experiment], dataset:
     n = threads.sweep_threads(cfg, data.shape(paths.data))
     key = throughput.table_key(cfg, dataset, n, code_hash())
     sizes, path = batch_sizes(experiments), table_path(paths)
-    if path.is_file():
-        stored = Table.from_dict(json.loads(path.read_text()))
-        if stored.key == key and all(stored.entry(b) is not None for b in sizes):
+    raw = kept.read(path, key)
+    if raw is not None:
+        stored = Table.from_dict(raw)
+        if all(stored.entry(b) is not None for b in sizes):
             return stored
     log.info("sweep: timing batch sizes %s side by side (the throughput table)", ", ".join(map(str, sizes)))
     with threads.on_threads(n):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchlab import atomic
+from batchlab import atomic, kept
 from batchlab.paths import Paths
 from batchlab.sweep.experiment import Experiment
 from batchlab.training.throughput import Table
@@ -31,6 +31,7 @@ class Sweep:
     reported: str | None  # digest of the results an earlier attempt reported and logged
     started: float = field(default_factory=time.perf_counter)
     clock: Table | None = None  # the throughput table its seconds are read from (sweep/speeds.py)
+    seeds_apart: str | None = None  # why its seeds cannot train together (None: they do), decided once in prepare
 
     @property
     def todo(self) -> list[Experiment]:
@@ -82,6 +83,4 @@ def earlier_wall_seconds(state: dict[str, Any], finished: dict[str, dict[str, An
 def load(paths: Paths, key: str) -> dict[str, Any]:
     """The state an earlier attempt of sweep `key` left; empty when none, or another sweep's (its
     parent run and wall time are not this one's)."""
-    path = state_path(paths)
-    state: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
-    return state if state.get("sweep") == key else {}
+    return kept.read(state_path(paths), key, field="sweep") or {}

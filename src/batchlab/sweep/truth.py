@@ -12,11 +12,10 @@ keyed by step, so a report rewritten later computes nothing again.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
-from batchlab import atomic, data
+from batchlab import atomic, data, kept
 from batchlab.config import Config
 from batchlab.paths import Paths
 from batchlab.study import analysis, critical
@@ -44,8 +43,7 @@ def exact_at(
     that point go: a study that gains experiments only raises the automatic target (the highest
     lowest val loss), and they are most of the file."""
     cache = folder.reports / EXACT
-    stored = json.loads(cache.read_text()) if cache.is_file() else {}
-    known: dict[str, dict[str, float]] = stored.get("steps", {}) if stored.get("key") == key else {}
+    known: dict[str, dict[str, float]] = (kept.read(cache, key) or {}).get("steps", {})
     saved = CurveWeights.load(folder.curve_weights)
     if trim and saved is not None and step in saved.steps:
         saved = saved.keep_first(saved.steps.index(step) + 1)

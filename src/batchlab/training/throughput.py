@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from batchlab import atomic
+from batchlab import atomic, kept
 from batchlab.config import Config, ConfigError
 from batchlab.data import Dataset
 from batchlab.training.gns_probes import FullSplitProbe
@@ -282,8 +282,9 @@ def with_step_time(cfg: Config, dataset: Dataset, cache: Path) -> Config:
     n_train = int(dataset.train.y.shape[0])
     sizes = doublings(tc.batch_size, min(tc.max_batch_size or n_train, n_train))
     key = table_key(cfg, dataset, torch.get_num_threads(), sizes)
-    stored = Table.from_dict(json.loads(cache.read_text())) if cache.is_file() else None
-    if stored is None or stored.key != key:
+    raw = kept.read(cache, key)
+    stored = Table.from_dict(raw) if raw is not None else None
+    if stored is None:
         log.info("adaptive batch: timing batch sizes %s side by side for the time rule", ", ".join(map(str, sizes)))
         stored = measure(cfg, dataset, sizes, key)
         atomic.write_json(cache, stored.to_dict())
