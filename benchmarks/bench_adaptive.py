@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from batchlab import stages
-from batchlab.config import Config, load_config
+from batchlab.config import Config
 from batchlab.paths import Paths
 from batchlab.study import analysis
 from batchlab.sweep.run import run_sweep
-from common import REPO, Table, markdown, progress, recorded, timed, working_dir
+from common import Table, keep_earlier, markdown, progress, shipped_params, timed, working_dir
 
 STUDIES: dict[str, dict[str, Any]] = {
     "default (MLP, synthetic)": {},
@@ -40,17 +40,13 @@ RUN = {k: v for k, v in STUDIES.items() if any(k.startswith(c) for c in CHOSEN)}
 RULES = tuple(os.environ.get("BATCHLAB_BENCH_RULES", "time,statistical,schedule").split(","))
 
 
-def _config(overrides: dict[str, Any], rule: str) -> Config:
-    base = load_config(REPO / "params.yaml")
-    sections = {}
+def study_config(overrides: dict[str, Any], rule: str) -> Config:
     merged = {**overrides, "sweep": {"adaptive": True, "local_cbs": rule == "schedule"}, "tracking": {"enabled": False}}
     merged["train"] = {**overrides.get("train", {}), "adapt_rule": rule}
-    for section, values in merged.items():
-        sections[section] = getattr(base, section).model_copy(update=values)
-    return base.model_copy(update=sections)
+    return shipped_params(merged)
 
 
-def _study(cfg: Config, folder: Path) -> tuple[analysis.Study, float]:
+def run_study(cfg: Config, folder: Path) -> tuple[analysis.Study, float]:
     with working_dir(folder):
         paths = Paths(folder)
         stages.generate(cfg, paths)
@@ -82,18 +78,26 @@ def main() -> dict[str, Any]:
             for rule in RULES:
                 progress(f"adaptive: {name}, {rule} rule")
                 load = os.getloadavg()[0]
-                study, wall = _study(_config(overrides, rule), Path(tmp))
-                row, figures = _row(study)
+                study, wall = run_study(study_config(overrides, rule), Path(tmp))
+                row, figures = verdict_row(study)
                 table.add(name, rule, *row[:-1], f"{load:.2f}", f"{wall:.0f}", today)
                 progress(f"adaptive: {name}, {rule}: " + " | ".join(row[:-1]))  # a cut-short run keeps its rows
                 raw[f"{name} / {rule}"] = {**figures, "load": load, "wall_s": wall, "measured": today}
-    _keep_earlier(table, raw)
+    order = {name: i for i, name in enumerate(STUDIES)}  # a partial run keeps the other rows
+    keep_earlier(
+        "adaptive",
+        "studies",
+        [table],
+        raw,
+        lambda r: f"{r[0]} / {r[1]}",
+        lambda r: (order.get(r[0], len(order)), r[1] != "time"),
+    )
     tables = [table.as_dict()]
     print(markdown(tables))
     return {"tables": tables, "studies": raw}
 
 
-def _row(study: analysis.Study) -> tuple[list[str], dict[str, Any]]:
+def verdict_row(study: analysis.Study) -> tuple[list[str], dict[str, Any]]:
     assert study.adaptive is not None
     reached = {r["batch_size"]: r["seconds_to_target_mean"] for r in study.rows if r["reached"] == r["seeds"]}
     fastest, best = min(reached, key=lambda b: reached[b]), study.verdict.best
@@ -126,25 +130,6 @@ def _row(study: analysis.Study) -> tuple[list[str], dict[str, Any]]:
                "fastest_seconds": reached[fastest], "best_f1_batch": best, "fewer_steps": fewer,
                "goals": {"not_slower": goals[0], "not_worse_f1": goals[1], "fewer_steps_40": goals[2]}}  # fmt: skip
     return row, figures
-
-
-def _keep_earlier(table: Table, raw: dict[str, Any]) -> None:
-    """A run of some studies or rules (BATCHLAB_BENCH_STUDIES, BATCHLAB_BENCH_RULES) keeps the
-    earlier rows of the others (from benchmarks/results.json), each with the date it was measured."""
-    earlier = recorded().get("adaptive")
-    if not earlier:
-        return
-    columns = earlier["tables"][0]["columns"]
-    for cells in earlier["tables"][0]["rows"]:
-        key = f"{cells[0]} / {cells[1]}"
-        if key in raw:
-            continue
-        old = dict(zip(columns, cells, strict=False))
-        measured = old.get("measured") or earlier["date"][:10]
-        table.add(*[old.get(c, measured if c == "measured" else "") for c in table.columns])
-        raw[key] = {**earlier["studies"].get(key, {}), "measured": measured}
-    order = {name: i for i, name in enumerate(STUDIES)}
-    table.rows.sort(key=lambda r: (order.get(r[0], len(order)), r[1] != "time"))
 
 
 if __name__ == "__main__":

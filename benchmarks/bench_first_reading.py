@@ -17,13 +17,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from batchlab.config import Config, load_config
+from batchlab.config import Config
 from batchlab.data import build
 from batchlab.training import gns_probes
 from batchlab.training.gns_exact import exact_noise_scale
 from batchlab.training.gns_probes import FullSplitProbe, reading_now
 from batchlab.training.train import initial_model, split_tensors
-from common import REPO, Table, markdown, progress
+from common import Table, markdown, progress, shipped_params
 
 STUDIES: dict[str, dict[str, Any]] = {
     "default (MLP, synthetic)": {},
@@ -35,8 +35,7 @@ READINGS = 15
 
 
 def _config(overrides: dict[str, Any]) -> Config:
-    base = load_config(REPO / "params.yaml")
-    return base.model_copy(update={s: getattr(base, s).model_copy(update=v) for s, v in overrides.items()})
+    return shipped_params(overrides)
 
 
 def main() -> dict[str, Any]:

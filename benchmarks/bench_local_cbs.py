@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from batchlab import stages
-from batchlab.config import Config, load_config
+from batchlab.config import Config
 from batchlab.paths import Paths
 from batchlab.sweep.run import run_sweep
-from common import REPO, Table, markdown, progress, recorded, timed, working_dir
+from common import Table, keep_earlier, markdown, progress, shipped_params, timed, working_dir
 
 STUDIES: dict[str, dict[str, Any]] = {
     "default (MLP, synthetic)": {},
@@ -39,10 +39,9 @@ RUN = {k: v for k, v in STUDIES.items() if any(k.startswith(c) for c in CHOSEN)}
 
 
 def _config(overrides: dict[str, Any], local: bool) -> Config:
-    base = load_config(REPO / "params.yaml")
-    merged = {**overrides, "sweep": {**overrides.get("sweep", {}), "local_cbs": local}, "tracking": {"enabled": False}}
-    sections = {s: getattr(base, s).model_copy(update=v) for s, v in merged.items()}
-    return base.model_copy(update=sections)
+    return shipped_params(
+        {**overrides, "sweep": {**overrides.get("sweep", {}), "local_cbs": local}, "tracking": {"enabled": False}}
+    )
 
 
 def _cell(figures: dict[str, Any], key: str, digits: int = 0) -> str:
@@ -92,24 +91,12 @@ def main() -> dict[str, Any]:
         progress(f"local_cbs: {name}: branches {branch_wall:.0f} s against the study's {study_wall:.0f} s")
         raw[name] = {"figures": figures, "study_wall_s": study_wall, "branches_wall_s": branch_wall, "load": load,
                      "measured": today}  # fmt: skip
-    _keep_earlier([points, totals], raw)
+    order = {name: i for i, name in enumerate(STUDIES)}  # a partial run keeps the other studies' rows
+    keep_earlier("local_cbs", "studies", [points, totals], raw, lambda r: r[0], lambda r: order.get(r[0], len(order)))
     tables = [points.as_dict(), totals.as_dict()]
     print(markdown(tables))
     print(json.dumps(raw, indent=1, default=str)[:2000])
     return {"tables": tables, "studies": raw}
-
-
-def _keep_earlier(tables: list[Table], raw: dict[str, Any]) -> None:
-    """A run of some studies (BATCHLAB_BENCH_STUDIES) keeps the others' earlier rows from
-    benchmarks/results.json, each with the date it was measured."""
-    earlier = recorded().get("local_cbs")
-    if not earlier:
-        return
-    for table, old in zip(tables, earlier["tables"], strict=True):
-        table.rows[:0] = [cells for cells in old["rows"] if cells[0] not in raw]
-        order = {name: i for i, name in enumerate(STUDIES)}
-        table.rows.sort(key=lambda r: order.get(r[0], len(order)))  # stable: a study's points keep their order
-    raw.update({k: v for k, v in earlier["studies"].items() if k not in raw})
 
 
 if __name__ == "__main__":

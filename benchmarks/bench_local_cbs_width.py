@@ -17,13 +17,13 @@ from typing import Any
 
 import bench_local_cbs
 from batchlab import data, stages
-from batchlab.config import Config, load_config
+from batchlab.config import Config
 from batchlab.paths import Paths
 from batchlab.seeds.vectorized import sweep_trains_apart
 from batchlab.study import local_cbs
 from batchlab.sweep import branches
 from batchlab.training import threads
-from common import REPO, Table, markdown, progress, timed, working_dir
+from common import Table, markdown, progress, shipped_params, timed, working_dir
 
 # bench_local_cbs's studies but the transformer (its branches alone take ~7 min a setting)
 STUDIES = {k: v for k, v in bench_local_cbs.STUDIES.items() if not k.startswith("transformer")}
@@ -36,12 +36,9 @@ SETTINGS = [(5, 0.05, True), (5, 0.1, True), (5, 0.2, True), (10, 0.05, True), (
 
 
 def _config(overrides: dict[str, Any], seeds: int, fraction: float, together: bool) -> Config:
-    base = load_config(REPO / "params.yaml")
     sweep = {"local_cbs": True, "seeds": list(range(seeds)), "local_cbs_fraction": fraction,
              "vectorize_seeds": together}  # fmt: skip
-    merged = {**overrides, "sweep": sweep, "tracking": {"enabled": False}}
-    sections = {s: getattr(base, s).model_copy(update=v) for s, v in merged.items()}
-    return base.model_copy(update=sections)
+    return shipped_params({**overrides, "sweep": sweep, "tracking": {"enabled": False}})
 
 
 def widths(points: list[local_cbs.Point]) -> tuple[float, int, int]:

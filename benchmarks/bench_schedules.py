@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_adaptive import RUN, STUDIES, _config, _row, _study
-from common import Table, markdown, progress, recorded
+from bench_adaptive import RUN, STUDIES, run_study, study_config, verdict_row
+from common import Table, keep_earlier, markdown, progress
 
 # a batch held from the first step (BATCHLAB_BENCH_HELD=512: another) ...
 HELD = tuple(int(b) for b in os.environ.get("BATCHLAB_BENCH_HELD", "32,64,128,256").split(","))
@@ -58,34 +58,27 @@ def main() -> dict[str, Any]:
             for schedule in grid():
                 progress(f"schedules: {name}, {label(schedule)}")
                 train = {**overrides.get("train", {}), "adapt_schedule": schedule}
-                cfg = _config({**overrides, "train": train}, "schedule")
+                cfg = study_config({**overrides, "train": train}, "schedule")
                 cfg = cfg.model_copy(update={"sweep": cfg.sweep.model_copy(update={"local_cbs": False})})
-                study, _ = _study(cfg, Path(tmp))
-                row, figures = _row(study)
+                study, _ = run_study(cfg, Path(tmp))
+                row, figures = verdict_row(study)
                 goals = figures["goals"]
                 everything = "yes" if all(goals.values()) else ""
                 table.add(name, label(schedule), *row[:8], everything, f"{os.getloadavg()[0]:.2f}", today)
                 progress(f"schedules: {name}, {label(schedule)}: " + " | ".join(row[:8]))
                 raw[f"{name} / {label(schedule)}"] = {**figures, "schedule": schedule, "measured": today}
-    _keep_earlier(table, raw)
+    order = {name: i for i, name in enumerate(STUDIES)}  # a partial run keeps the other rows
+    keep_earlier(
+        "schedules",
+        "schedules",
+        [table],
+        raw,
+        lambda r: f"{r[0]} / {r[1]}",
+        lambda r: (order.get(r[0], len(order)), "→" in r[1], int(r[1].split()[0])),
+    )
     tables = [table.as_dict()]
     print(markdown(tables))
     return {"tables": tables, "schedules": raw}
-
-
-def _keep_earlier(table: Table, raw: dict[str, Any]) -> None:
-    """A run of some studies or schedules keeps the other rows from benchmarks/results.json, each
-    with its load and the date it was measured."""
-    earlier = recorded().get("schedules")
-    if not earlier:
-        return
-    for cells in earlier["tables"][0]["rows"]:
-        key = f"{cells[0]} / {cells[1]}"
-        if key not in raw:
-            table.add(*cells)
-            raw[key] = earlier["schedules"].get(key, {})
-    order = {name: i for i, name in enumerate(STUDIES)}
-    table.rows.sort(key=lambda r: (order.get(r[0], len(order)), "→" in r[1], int(r[1].split()[0])))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""What every benchmark shares: paths, the CLI environment, timing and Markdown tables."""
+"""What every benchmark shares: paths, the CLI environment, the shipped params with overrides, timing,
+Markdown tables, and a partial run's earlier rows kept."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from batchlab.config import Config
 
 T = TypeVar("T")
 
@@ -58,6 +62,46 @@ def working_dir(path: Path) -> Iterator[None]:
 def recorded() -> dict[str, Any]:
     """Each benchmark's last saved result in RESULTS, by name ({} before the first run)."""
     return json.loads(RESULTS.read_text()).get("benchmarks", {}) if RESULTS.is_file() else {}
+
+
+def keep_earlier(
+    bench: str,
+    figures_at: str,
+    tables: list[Table],
+    raw: dict[str, Any],
+    key: Callable[[list[str]], str],
+    order: Callable[[list[str]], Any],
+) -> None:
+    """A partial run of `bench` (some of its studies, rules or schedules: BATCHLAB_BENCH_*) keeps
+    what it did not measure from RESULTS: each earlier row whose `key(cells)` this run has no figures
+    for in `raw`, matched to the table's columns by name (a `measured` column, where the table has
+    one, says the date it was measured), and those rows' figures (the result's `field`, by key);
+    then every table's rows in `order` (stable: rows of one key keep theirs)."""
+    earlier = recorded().get(bench)
+    if not earlier:
+        return
+    kept: dict[str, str] = {}  # key: the date its row was measured
+    for table, old in zip(tables, earlier["tables"], strict=True):
+        for cells in old["rows"]:
+            if key(cells) in raw:
+                continue
+            row = dict(zip(old["columns"], cells, strict=False))
+            kept[key(cells)] = row.get("measured") or earlier["date"][:10]
+            table.add(*[row.get(c) or (kept[key(cells)] if c == "measured" else "") for c in table.columns])
+        table.rows.sort(key=order)
+    dated = any("measured" in table.columns for table in tables)
+    for name, measured in kept.items():
+        figures = earlier[figures_at].get(name, {})
+        raw[name] = {**figures, "measured": measured} if dated else figures
+
+
+def shipped_params(overrides: dict[str, dict[str, Any]]) -> Config:
+    """The repo's params.yaml with each named section's keys replaced (`{"train": {"lr": 0.01}}`):
+    the one way a benchmark builds its configs."""
+    from batchlab.config import load_config
+
+    base = load_config(REPO / "params.yaml")
+    return base.model_copy(update={s: getattr(base, s).model_copy(update=v) for s, v in overrides.items()})
 
 
 def verdict(met: bool) -> str:
