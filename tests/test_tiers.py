@@ -83,3 +83,15 @@ def test_a_tier_over_its_budget_is_warned_of_beside_its_test_time(
     monkeypatch.setitem(tiers.BUDGET_S, "unit", 100.0)
     result = _inner(pytester, "def test_quick():\n    pass\n")
     assert "WARNING: the unit tier" not in result.stdout.str() and "(budget 100 s)" in result.stdout.str()
+
+
+def test_a_parameter_never_recorded_is_handed_out_at_its_siblings_mean() -> None:
+    """The chaos test's schedule changes with the commit: a schedule never timed is expected to take
+    what the recorded ones took (not 1 s, which would hand a 10-minute test out last)."""
+    from tests.support.tiers import UNKNOWN_S, recorded_seconds
+
+    recorded = {"t.py::test_chaos[1]": 100.0, "t.py::test_chaos[2]": 300.0, "t.py::test_other": 5.0}
+    assert recorded_seconds("t.py::test_chaos[2]", recorded) == 300.0
+    assert recorded_seconds("t.py::test_chaos[13]", recorded) == 200.0
+    assert recorded_seconds("t.py::test_new", recorded) == UNKNOWN_S
+    assert recorded_seconds("t.py::test_other[x]", {"t.py::test_otherwise[y]": 9.0}) == UNKNOWN_S
