@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import batchlab
@@ -47,31 +48,38 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
+def _import_nodes(file: Path) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement of `file`, at any depth, but those under `if TYPE_CHECKING:`."""
+
+    def visit(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                yield from visit(child)
+            return
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        for child in ast.iter_child_nodes(node):
+            yield from visit(child)
+
+    return visit(ast.parse(file.read_text()))
+
+
 def _imports(name: str, file: Path, modules: set[str]) -> set[str]:
     """The package's modules that `name` imports (a `from pkg import sub` imports the submodule)."""
     package = name if file.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
+    for node in _import_nodes(file):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name in modules)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, base] if base else anchor)
-            subs = {f"{base}.{alias.name}" for alias in node.names} & modules
-            found.update(subs)
-            if len(subs) < len(node.names) and base in modules:
-                found.add(base)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(file.read_text()))
+            continue
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join([*anchor, base] if base else anchor)
+        subs = {f"{base}.{alias.name}" for alias in node.names} & modules
+        found.update(subs)
+        if len(subs) < len(node.names) and base in modules:
+            found.add(base)
     found.discard(name)
     return found
 
@@ -191,22 +199,13 @@ def test_no_module_over_300_lines_and_no_function_over_70() -> None:
 
 
 def _third_party_imports(file: Path) -> set[str]:
-    """The top-level names of what `file` imports, at any depth, leaving TYPE_CHECKING blocks out."""
+    """The top-level names of what `file` imports from outside (absolute imports), at any depth."""
     found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
+    for node in _import_nodes(file):
         if isinstance(node, ast.Import):
             found.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+        elif not node.level and node.module:
             found.add(node.module.split(".")[0])
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(file.read_text()))
     return found
 
 
