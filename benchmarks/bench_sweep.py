@@ -25,7 +25,7 @@ SEEDS_TARGET = 2.0  # issue #26: the default seeds at most 2x one seed's sweep w
 
 
 # the unwrapped functions: the throughput table (measured once per sweep folder) and the step memory
-PROBES = {(speeds, "table_for"): speeds.table_for, (probes, "step_memory"): probes.step_memory}
+PROBES = {(speeds, "measure"): speeds.measure, (probes, "step_memory"): probes.step_memory}
 
 
 def _timing_probes() -> dict[str, float]:

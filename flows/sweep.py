@@ -68,7 +68,7 @@ def batch_size_sweep(
         generate.with_options(refresh_cache=orchestration.refresh_generate(cfg, root))(cfg, root)
         launch.apply_stage_threads("sweep", cfg, paths.data)  # as `batchlab sweep` does
         executor = executors.for_sweep(cfg, local=in_lanes)  # sweep.executor: dask runs a subflow on the cluster
-        study = prepare(cfg, paths)
+        study = prepare(cfg, paths, executor)
         summary = run_prepared(cfg, paths, executor, study)
     create_markdown_artifact(
         key="batchlab-sweep", markdown=f"**MLflow parent run:** `{study.parent_run_id}`\n\n{summary['markdown']}"

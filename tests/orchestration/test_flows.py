@@ -155,8 +155,12 @@ def test_flow_and_dvc_repro_give_the_same_metrics(repo_copy: Path) -> None:
 def test_sweep_flow_runs_one_task_per_experiment_then_none_on_rerun(root: Path) -> None:
     state = sweep_flow.batch_size_sweep(root=str(root), overrides={"sweep.parallel": 2}, return_state=True)
     assert state.is_completed()
-    tasks = _task_runs(state.state_details.flow_run_id, expected=4)
-    assert sorted(r.name for r in tasks["experiment"]) == ["bs16-seed0", "bs32-seed0", "bs64-seed0"]
+    tasks = _task_runs(state.state_details.flow_run_id, expected=5)
+    # one task per measurement the sweep makes: the clock first, each experiment, each one's truth
+    names = [r.name for r in sorted(tasks["experiment"], key=lambda r: r.expected_start_time)]
+    experiments = ["bs16-seed0", "bs32-seed0", "bs64-seed0"]
+    assert names[0] == "clock" and sorted(n for n in names if n.startswith("bs")) == experiments
+    assert set(names[4:]) <= {f"truth-{e}" for e in experiments} and len(names) == 4 + len(set(names[4:]))
     client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("batchlab").experiment_id])
     parent = [r for r in runs if r.data.tags.get("sweep") == "parent"]

@@ -229,9 +229,11 @@ def test_each_seeds_branches_are_a_work_item_run_in_the_lanes(workdir: Path, tmp
         given.extend(item.name for item in work)
         return executors.run_local(lane, work)
 
+    observing = executors.Executor("local", observed)
     with exclusive(paths):
-        summary = run_prepared(cfg, paths, executors.Executor("local", observed), prepare(cfg, paths))
-    assert given[0] == "local-cbs-seed0+seed1" and not any("local-cbs" in name for name in given[1:])
+        summary = run_prepared(cfg, paths, observing, prepare(cfg, paths, observing))
+    # the clock first, then the branches queued ahead of the experiments, the truth last
+    assert given[:2] == ["clock", "local-cbs-seed0+seed1"] and not any("local-cbs" in name for name in given[2:])
     here = Paths(tmp_path)
     stages.generate(cfg, here)
     in_process = branches.run(cfg, here, stages_dataset(here), _together(cfg, stages_dataset(here)))

@@ -19,13 +19,16 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
-from batchlab import atomic, stages
+from batchlab import atomic, stages, tracking
 from batchlab.config import ConfigError
 from batchlab.paths import Paths
-from batchlab.sweep import experiment
+from batchlab.sweep import executors, experiment
 from batchlab.sweep import plan as sweep_plan
+from batchlab.sweep.lock import exclusive
 from batchlab.sweep.plan import Lane, experiment_config, folder_of, plan
-from batchlab.sweep.run import prepare, run_sweep
+from batchlab.sweep.run import finish, origin_tags, prepare, run_sweep
+from batchlab.training import throughput
+from batchlab.training.curve_weights import CurveWeights
 from batchlab.training.optim import scaled_lr
 from batchlab.training.train import initial_model
 from tests.support import TINY, env_with_venv, merge, run, tiny_config, wait_until, write_params
@@ -172,9 +175,10 @@ def test_results_of_other_code_are_measured_again(workdir: Path, monkeypatch: py
     cfg = tiny_config(sweep={"batch_sizes": [16, 64]})
     stages.generate(cfg, Paths(workdir))
     run_sweep(cfg, Paths(workdir))
-    assert prepare(cfg, Paths(workdir)).todo == []
+    local = executors.for_sweep(cfg)
+    assert prepare(cfg, Paths(workdir), local).todo == []
     monkeypatch.setattr(sweep_plan, "code_hash", lambda: "edited")  # what an edit to src/batchlab does
-    assert len(prepare(cfg, Paths(workdir)).todo) == 2
+    assert len(prepare(cfg, Paths(workdir), local).todo) == 2
 
 
 def test_experiments_differ_only_in_batch_size_and_lr() -> None:
@@ -276,7 +280,9 @@ def _runs(uri: str) -> list[Any]:
 
 
 @pytest.mark.integration
-def test_rerun_of_a_finished_sweep_changes_nothing(workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_rerun_of_a_finished_sweep_changes_nothing(
+    workdir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri})
     paths = Paths(workdir)
@@ -284,6 +290,16 @@ def test_rerun_of_a_finished_sweep_changes_nothing(workdir: Path, caplog: pytest
     run_sweep(cfg, paths)
     reports, state = workdir / "reports/sweep", workdir / "sweep/state.json"
     before, state_before, n_runs = _md5s(reports), state.read_bytes(), len(_runs(uri))
+    exact = list(workdir.glob("sweep/experiments/*/reports/exact_noise.json"))  # the truth tasks'
+    assert len(exact) == 3 and all(json.loads(p.read_text())["steps"] for p in exact)
+
+    def measured(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a finished sweep measured again: its report reads what its tasks stored")
+
+    # the sweep's measurements below it: the clock, the exact noise scale, an experiment's training
+    monkeypatch.setattr(throughput, "measure", measured)
+    monkeypatch.setattr(CurveWeights, "exact_at", measured)
+    monkeypatch.setattr(experiment, "train_one", measured)
 
     caplog.set_level(logging.INFO, logger="batchlab")
     run_sweep(cfg, paths)
@@ -297,6 +313,14 @@ def test_rerun_of_a_finished_sweep_changes_nothing(workdir: Path, caplog: pytest
         file.unlink()
     run_sweep(cfg, paths)
     assert _md5s(reports) == before and len(_runs(uri)) == n_runs
+
+    # the report only reads: with an experiment's truth gone, finish measures nothing and reads NaN
+    exact[0].unlink()
+    local = executors.for_sweep(cfg)
+    with exclusive(paths):
+        summary = finish(cfg, paths, prepare(cfg, paths, local), {}, tracking.Tracker(), origin_tags("local"))
+    assert math.isfinite(summary["b_simple_exact_at_target"])  # the median over the other two
+    assert _md5s(reports) != before  # the report says one reading fewer was checked
 
 
 @pytest.mark.integration

@@ -117,12 +117,30 @@ def keep(paths: Paths, stored: dict[str, Any]) -> None:
 
 
 def run(cfg: Config, paths: Paths, dataset: data.Dataset, together: bool) -> list[dict[str, Any]]:
-    """Every point's branches over the seeds: [{epoch, fraction, examples, batch, multipliers,
-    start: [per seed], losses: [per seed][per multiplier], b_simple_exact, b_simple_estimate}]
-    (the noise scale's, means over seeds). `together`: whether the sweep's seeds train together."""
+    """Every point's branches over the seeds, trained here where not stored (`together`: whether
+    the sweep's seeds train together), as `read` gives them."""
     n_train, ks = int(dataset.train.y.shape[0]), multipliers(cfg, dataset)
     points = _seeds(cfg, paths, dataset, list(cfg.sweep.seeds), n_train, ks, together)
-    per_seed = [points[seed] for seed in cfg.sweep.seeds]
+    return _over_seeds(cfg, [points[seed] for seed in cfg.sweep.seeds], ks)
+
+
+def read(cfg: Config, paths: Paths, dataset: data.Dataset) -> list[dict[str, Any]]:
+    """Every point's branches over the seeds, as the branch tasks stored them: [{epoch, fraction,
+    examples, batch, multipliers, start: [per seed], losses: [per seed][per multiplier],
+    b_simple_exact, b_simple_estimate}] (the noise scale's, means over seeds). A seed not measured
+    to every point is an error: the sweep runs its tasks first."""
+    n_train, ks = int(dataset.train.y.shape[0]), multipliers(cfg, dataset)
+    per_seed = []
+    for seed in cfg.sweep.seeds:
+        _, key, where, at = _placed(cfg, paths, dataset, seed, n_train, ks)
+        points = _read(where / "branches.json", key)
+        if [p["epoch"] for p in points] != at:
+            raise RuntimeError(f"local CBS: seed {seed}'s branches at epochs {at} are not stored in {where}")
+        per_seed.append(points)
+    return _over_seeds(cfg, per_seed, ks)
+
+
+def _over_seeds(cfg: Config, per_seed: list[list[dict[str, Any]]], ks: list[int]) -> list[dict[str, Any]]:
     out = []
     for i, first in enumerate(per_seed[0]):
         at = [s[i] for s in per_seed]

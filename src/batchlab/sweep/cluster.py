@@ -34,10 +34,10 @@ from prefect.cache_policies import NONE
 from prefect.futures import as_completed
 
 import batchlab
-from batchlab import atomic, data, orchestration, tracking
+from batchlab import data, orchestration, tracking
 from batchlab.paths import Paths
-from batchlab.sweep import branches, groups, progress, stop
-from batchlab.sweep.plan import Branches, Experiments, Lane, Results, Work, code_hash, folder_of
+from batchlab.sweep import groups, progress, stop
+from batchlab.sweep.plan import Lane, Results, Work, code_hash
 from batchlab.sweep.preflight import DaskUnavailable, PrefectUnavailable
 from batchlab.training import threads
 
@@ -129,21 +129,16 @@ def experiment(lane: Lane, work: Work, name: str, root: str, outputs: str, want:
 @flow(name="batchlab-sweep-dask", validate_parameters=False)
 def on_cluster(lane: Lane, work: list[Work], want: Expected, sweep_id: str) -> dict[str, dict[str, Any]]:
     """Submit every task at once; the scheduler places them on free worker threads. A task is one
-    experiment, or the seeds of one batch size trained together, as the local executor groups them."""
+    of the sweep's work items (plan.Work: an experiment, or the seeds of one batch size trained
+    together as the local executor groups them; seeds' branches; the clock; an experiment's truth)."""
     paths = lane.paths
     root, outputs = str(paths.root.resolve()), os.path.relpath(paths.outputs, paths.root)
     futures = [experiment.submit(lane, item, item.name, root, outputs, want, sweep_id) for item in work]
-    by_name = {exp.name: exp for item in work if isinstance(item, Experiments) for exp in item.experiments}
-    branched = {item.name for item in work if isinstance(item, Branches)}
+    items = {id(future): item for future, item in zip(futures, work, strict=True)}
     results: dict[str, dict[str, Any]] = {}
     for done in as_completed(futures):
-        for name, result in done.result().items():
-            # kept here too: a resume finds it even when the workers' folders are not this one
-            if name in branched:
-                branches.keep(paths, result)
-            else:
-                atomic.write_json(folder_of(paths, by_name[name]).outputs / "result.json", result)
-            results[name] = result
+        groups.keep(paths, items[id(done)], done.result())  # a resume finds it even when the workers' folders are other
+        results.update(done.result())
         progress.finished(done.result())
     return results
 

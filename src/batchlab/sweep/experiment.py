@@ -31,7 +31,7 @@ R = TypeVar("R")
 
 
 @dataclass(frozen=True)
-class Clock:
+class Stopwatch:
     """An experiment's wall time: since `started` (perf_counter), plus `share`, its part of the time
     its group trained together (what is not train_seconds is overhead)."""
 
@@ -63,7 +63,7 @@ def stored_result(lane: Lane, exp: Experiment, key: str) -> dict[str, Any] | Non
 def train_and_score(lane: Lane, exp: Experiment) -> dict[str, Any]:
     """Train and test one experiment in its own folder, unless it finished already; returns its
     result row."""
-    clock = Clock(time.perf_counter())
+    clock = Stopwatch(time.perf_counter())
     dataset = data.load(lane.paths.data)
     job = keyed(lane.cfg, exp, dataset.content_hash())
     done = stored_result(lane, exp, job.key)
@@ -72,7 +72,7 @@ def train_and_score(lane: Lane, exp: Experiment) -> dict[str, Any]:
     return train_one(lane, job, dataset, clock)
 
 
-def train_one(lane: Lane, job: Keyed, dataset: data.Dataset, clock: Clock) -> dict[str, Any]:
+def train_one(lane: Lane, job: Keyed, dataset: data.Dataset, clock: Stopwatch) -> dict[str, Any]:
     """Train and record one experiment known to be still to train (`stored_result` found nothing)."""
     folder = lane.folder(job.exp)
     tracked.check_trainable(job.cfg, dataset)
@@ -88,7 +88,7 @@ def record(
     job: Keyed,
     dataset: data.Dataset,
     train: Callable[[tracking.Tracker], Trained],
-    clock: Clock,
+    clock: Stopwatch,
     tags: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """One experiment's child run, trained into by `train`, then measured and scored in the run

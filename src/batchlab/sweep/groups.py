@@ -19,13 +19,13 @@ import logging
 import time
 from typing import Any, TypeVar
 
-from batchlab import data, tracking
+from batchlab import atomic, data, tracking
 from batchlab.config import Config
 from batchlab.paths import Paths
 from batchlab.seeds import vectorized
-from batchlab.sweep import branches, experiment, lock
-from batchlab.sweep.experiment import Clock
-from batchlab.sweep.plan import Branches, Experiment, Experiments, Keyed, Lane, Work, keyed
+from batchlab.sweep import branches, experiment, lock, speeds, truth
+from batchlab.sweep.experiment import Stopwatch
+from batchlab.sweep.plan import Branches, Clock, Experiment, Experiments, Keyed, Lane, Truth, Work, folder_of, keyed
 from batchlab.training import threads, tracked
 from batchlab.training.strategy import session
 from batchlab.training.train import TrainResult
@@ -72,6 +72,28 @@ def train_work(lane: Lane, work: Work) -> dict[str, Any]:
         case Experiments():
             with lock.claimed(lane.paths, [exp.name for exp in work.experiments]):
                 return _train_claimed(lane, work)
+        case Clock():
+            with lock.claimed(lane.paths, [work.name]):
+                return {work.name: speeds.measure(lane.cfg, lane.paths, work)}
+        case Truth():
+            with lock.claimed(lane.paths, [work.name]):
+                return {work.name: truth.compute(lane.cfg, lane.paths, work)}
+
+
+def keep(paths: Paths, work: Work, results: dict[str, Any]) -> None:
+    """What a task stored on the worker that ran it (train_work's result), stored in the sweep's
+    own folders too: a resume, and the report, find it even when the workers' folders are not these."""
+    match work:
+        case Branches():
+            branches.keep(paths, results[work.name])
+        case Experiments():
+            for exp in work.experiments:
+                if exp.name in results:
+                    atomic.write_json(folder_of(paths, exp).outputs / "result.json", results[exp.name])
+        case Clock():
+            atomic.write_json(speeds.table_path(paths), results[work.name])
+        case Truth():
+            truth.keep(paths, work, results[work.name])
 
 
 def _train_claimed(lane: Lane, work: Experiments) -> dict[str, Any]:
@@ -93,7 +115,7 @@ def _train_claimed(lane: Lane, work: Experiments) -> dict[str, Any]:
     for epoch in sorted(set(epochs)):
         part = [job for job, resumes in zip(jobs, epochs, strict=True) if resumes == epoch]
         if len(part) == 1:
-            clock = Clock(time.perf_counter())
+            clock = Stopwatch(time.perf_counter())
             results[part[0].exp.name] = experiment.train_one(lane, part[0], dataset, clock)
         else:
             results.update(_train_together(lane, part, dataset))
@@ -113,7 +135,7 @@ def _train_together(lane: Lane, jobs: list[Keyed], dataset: data.Dataset) -> dic
     tags = {"sweep.trained_with_seeds": str(len(jobs))}
     results = {}
     for job, folder, result in zip(jobs, folders, fitted, strict=True):
-        clock = Clock(time.perf_counter(), share)
+        clock = Stopwatch(time.perf_counter(), share)
         train = functools.partial(_log_fitted, job.cfg, folder, dataset, result)
         results[job.exp.name] = experiment.record(lane, job, dataset, train, clock, tags)
     return results

@@ -72,7 +72,12 @@ class Lane:
 
 def folder_of(paths: Paths, exp: Experiment) -> Paths:
     """The experiment's own folder for models/, reports/, its checkpoint and result.json."""
-    return Paths(root=paths.root, out=paths.outputs / "sweep" / "experiments" / exp.name)
+    return folder_named(paths, exp.name)
+
+
+def folder_named(paths: Paths, name: str) -> Paths:
+    """The folder of the experiment named `name` (Experiment.name)."""
+    return Paths(root=paths.root, out=paths.outputs / "sweep" / "experiments" / name)
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,37 @@ class Branches:
         return "local-cbs-" + "+".join(f"seed{seed}" for seed in self.seeds)
 
 
-Work = Experiments | Branches  # what an executor runs; groups.train_work dispatches on the kind
+@dataclass(frozen=True)
+class Clock:
+    """A task of the sweep: its throughput table, `batch_sizes` timed side by side (sweep/speeds.py),
+    stored under `key` (planned by the sweep: what a step's speed depends on)."""
+
+    batch_sizes: tuple[int, ...]
+    key: str
+
+    @property
+    def name(self) -> str:
+        return "clock"
+
+
+@dataclass(frozen=True)
+class Truth:
+    """A task of the sweep: the exact noise scale at `steps` of one experiment's kept weights
+    (sweep/truth.py), stored under `key` (the experiment's); the weights after `keep` go."""
+
+    experiment: str  # its name: its folder (folder_named)
+    key: str
+    steps: tuple[int, ...]
+    keep: int
+
+    @property
+    def name(self) -> str:
+        return f"truth-{self.experiment}"
+
+
+# what an executor runs (groups.train_work dispatches on the kind): the sweep's measurements, each a
+# keyed task whose result is stored; run.finish reads only what they stored
+Work = Experiments | Branches | Clock | Truth
 
 
 @dataclass(frozen=True)

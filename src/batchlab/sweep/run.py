@@ -23,22 +23,27 @@ from batchlab.sweep import branches, executors, experiment, groups, plan, progre
 from batchlab.sweep import state as sweep_state
 from batchlab.sweep.lock import exclusive
 from batchlab.sweep.state import Sweep
-from batchlab.training import threads
 
 log = logging.getLogger(__name__)
 
 
-def prepare(cfg: Config, paths: Paths) -> Sweep:
-    """Plan the experiments, find those an earlier sweep already finished, and read (or measure) the
-    throughput table every experiment's seconds are counted on. Call it holding `exclusive`."""
+def prepare(cfg: Config, paths: Paths, executor: executors.Executor) -> Sweep:
+    """Plan the experiments, find those an earlier sweep already finished, and read the throughput
+    table every experiment's seconds are counted on, its task run through `executor` first where
+    it is not stored (and, under the schedule rule, the seeds' branches the plan needs). Call it
+    holding `exclusive`."""
     started = time.perf_counter()  # the sweep's wall time counts its clock's block
     dataset = data.load(paths.data)
     experiments = plan.plan(cfg, dataset.train.y.shape[0], dataset)
     apart = vectorized.sweep_trains_apart(cfg, lambda: dataset)  # the one answer: its tasks carry it
+    lane = plan.Lane(cfg, paths)  # before the parent run: these tasks open no child run
     if plan.needs_schedule(experiments, cfg):  # the adaptive row's batch warmup: CBS(t), measured first
-        points = local_points(cfg, paths, dataset, apart is None)
-        experiments = plan.with_schedule(experiments, local_cbs.schedule(points))
-    clock = speeds.table_for(cfg, paths, experiments, dataset)  # the sweep's first step
+        executor.run(lane, list(branches.work_items(cfg, paths, together=apart is None)))
+        experiments = plan.with_schedule(experiments, local_cbs.schedule(local_points(cfg, paths, dataset)))
+    timing = speeds.clock_work(cfg, paths, experiments, dataset)
+    if timing is not None:  # the sweep's first step
+        executor.run(lane, [timing])
+    clock = speeds.stored(cfg, paths)
     experiments = plan.with_step_time(experiments, clock, cfg)
     data_hash = dataset.content_hash()
     key = sweep_key(cfg, data_hash)
@@ -140,20 +145,20 @@ def finish(
     parent: tracking.Tracker,
     tags: dict[str, str],
 ) -> dict[str, Any]:
-    """Analyse every experiment's result, write the report and log it on the parent run.
+    """Analyse every experiment's result, write the report and log it on the parent run. It
+    measures nothing: it reads what the sweep's tasks stored (result rows, branches, clock, truth).
 
     The report depends on the results and the stored wall time only, so an up-to-date sweep
     rewrites the same bytes (`dvc repro` deletes reports/sweep before the stage runs)."""
-    ordered = [{**sweep.finished, **results}[e.name] for e in sweep.experiments]
+    ordered = sweep.rows(results)
     wall = sweep.wall_seconds if sweep.up_to_date else sweep.elapsed()
     folder = paths.reports / "sweep"
     dataset = data.load(paths.data)
-    target, _ = analysis.target_of(analysis.pick_lrs(ordered)[0], cfg.sweep.target_val_loss)
     folders = {e.name: plan.folder_of(paths, e) for e in sweep.experiments}
-    scored = truth.with_exact(cfg, dataset, folders, ordered, target)  # `ordered` stays the stored rows
+    scored = truth.with_exact(folders, ordered, target_of(cfg, ordered))  # `ordered` stays the stored rows
     n_test = int(dataset.test.y.shape[0])
     result = analysis.analyse(scored, n_test, cfg.sweep.target_val_loss, cfg.sweep.memory_budget_mb)
-    points = local_points(cfg, paths, dataset, sweep.seeds_apart is None)
+    points = local_points(cfg, paths, dataset)
     run = training_setup(cfg)
     # what its seconds were read from: the side-by-side table, or (DDP/FSDP) each experiment's epochs
     timing = sweep.clock.to_dict() if sweep.clock is not None else clock.from_epochs(ordered, run)
@@ -206,14 +211,17 @@ def training_setup(cfg: Config) -> dict[str, Any]:
     }
 
 
-def local_points(cfg: Config, paths: Paths, dataset: data.Dataset, together: bool) -> list[local_cbs.Point]:
-    """sweep.local_cbs's points, branched (or read back: sweep/branches.py) and estimated; none when
-    off. `together`: whether the sweep's seeds train together."""
+def target_of(cfg: Config, rows: list[dict[str, Any]]) -> float:
+    """The study's target val loss (analysis.target_of), over the result rows."""
+    return analysis.target_of(analysis.pick_lrs(rows)[0], cfg.sweep.target_val_loss)[0]
+
+
+def local_points(cfg: Config, paths: Paths, dataset: data.Dataset) -> list[local_cbs.Point]:
+    """sweep.local_cbs's points as the branch tasks stored them (sweep/branches.py), estimated;
+    none when off."""
     if not cfg.sweep.local_cbs:
         return []
-    threads.use_threads(threads.sweep_threads(cfg, data.shape(paths.data)))  # as the experiments trained
-    raw = branches.run(cfg, paths, dataset, together)
-    return local_cbs.points_of(raw, cfg.sweep.local_cbs_tolerance)
+    return local_cbs.points_of(branches.read(cfg, paths, dataset), cfg.sweep.local_cbs_tolerance)
 
 
 TO_TARGET = ("steps_to_target", "examples_to_target", "seconds_to_target")  # logged on each child as summary.*
@@ -267,13 +275,17 @@ def run_sweep(cfg: Config, paths: Paths) -> dict[str, Any]:
     """Run every experiment not already finished, then write the trade-off report."""
     executor = executors.for_sweep(cfg)  # its checks fail before anything runs
     with exclusive(paths):
-        sweep = prepare(cfg, paths)
+        sweep = prepare(cfg, paths, executor)
         return run_prepared(cfg, paths, executor, sweep)
 
 
 def run_prepared(cfg: Config, paths: Paths, executor: executors.Executor, sweep: Sweep) -> dict[str, Any]:
-    """A prepared sweep: its parent run, its experiments through `executor`, then its report."""
+    """A prepared sweep: its parent run, its experiments (and branches) through `executor`, then,
+    once the target is known, the truth tasks through it, then its report."""
     tags = origin_tags(executor.name)
     with parent_run(cfg, paths, sweep, tags) as parent:
-        results = run_counted(executor, plan.Lane(cfg, paths, parent.run_id, sweep.clock, tags), sweep)
+        lane = plan.Lane(cfg, paths, parent.run_id, sweep.clock, tags)
+        results = run_counted(executor, lane, sweep)
+        rows = sweep.rows(results)
+        executor.run(lane, list(truth.work(paths, rows, target_of(cfg, rows))))
         return finish(cfg, paths, sweep, results, parent, tags)

@@ -42,6 +42,11 @@ class Sweep:
         """Every experiment finished and these very results already reported: nothing to run or log."""
         return not self.todo and self.reported == digest(list(self.finished.values()))
 
+    def rows(self, results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every experiment's result row in plan order: finished before, or just now (`results`;
+        other tasks' results by their names are not rows)."""
+        return [{**self.finished, **results}[e.name] for e in self.experiments]
+
     def elapsed(self) -> float:
         """Wall seconds of every attempt so far, this one included."""
         return self.wall_seconds + time.perf_counter() - self.started
