@@ -21,8 +21,8 @@ from prefect.tasks import exponential_backoff
 from batchlab import orchestration
 from batchlab.paths import Paths
 from batchlab.sweep import executors, groups, lock, progress
-from batchlab.sweep.plan import Lane, Work
 from batchlab.sweep.run import prepare, run_prepared
+from batchlab.sweep.tasks import Lane, Work
 from batchlab.training import launch
 from pipeline import generate  # flows/ is on sys.path when a flow file runs
 

@@ -12,7 +12,8 @@ from batchlab import atomic, data
 from batchlab.config import load_config
 from batchlab.paths import Paths
 from batchlab.sweep import groups
-from batchlab.sweep.plan import Experiments, Lane, plan
+from batchlab.sweep.plan import plan
+from batchlab.sweep.tasks import Experiments, Lane
 
 
 def main(folder: str, parent_run_id: str, names: str, out: str) -> None:

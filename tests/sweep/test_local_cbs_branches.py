@@ -21,7 +21,7 @@ from batchlab.seeds import branches as seeds_branches
 from batchlab.seeds import vectorized
 from batchlab.seeds.branches import branch_losses
 from batchlab.study import local_cbs
-from batchlab.sweep import branches, executors, plan
+from batchlab.sweep import branches, executors, plan, tasks
 from batchlab.sweep.lock import exclusive
 from batchlab.sweep.run import prepare, run_prepared, run_sweep
 from batchlab.training.branch import branch_loss
@@ -225,7 +225,7 @@ def test_each_seeds_branches_are_a_work_item_run_in_the_lanes(workdir: Path, tmp
     stages.generate(cfg, paths)
     given: list[str] = []
 
-    def observed(lane: plan.Lane, work: list[plan.Work]) -> plan.Results:
+    def observed(lane: tasks.Lane, work: list[tasks.Work]) -> tasks.Results:
         given.extend(item.name for item in work)
         return executors.run_local(lane, work)
 

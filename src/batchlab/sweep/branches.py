@@ -8,7 +8,7 @@ key (the experiment's and the branching settings'), point by point: a rerun reco
 interrupted one resumes at the first unfinished point, an edit of the params, data or code
 recomputes them. Where the sweep's seeds train together (the sweep's one answer, as its
 experiments do), the seeds' runs to each point and each multiplier's branches train together
-(seeds/branches.py), and all seeds' branches are one task (plan.Branches) of the executor.
+(seeds/branches.py), and all seeds' branches are one task (tasks.Branches) of the executor.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from batchlab import atomic, data, kept
 from batchlab.config import Config, ConfigError
 from batchlab.paths import Paths
 from batchlab.seeds import branches as seeds_branches
-from batchlab.sweep.plan import Branches, Experiment, Keyed, keyed, probe_every, step_mib
+from batchlab.sweep.plan import Experiment, Keyed, keyed, probe_every, step_mib
+from batchlab.sweep.tasks import Branches
 from batchlab.training.optim import steps_per_epoch
 
 log = logging.getLogger(__name__)

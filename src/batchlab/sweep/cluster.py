@@ -37,8 +37,9 @@ import batchlab
 from batchlab import data, orchestration, tracking
 from batchlab.paths import Paths
 from batchlab.sweep import groups, progress, stop
-from batchlab.sweep.plan import Lane, Results, Work, code_hash
+from batchlab.sweep.plan import code_hash
 from batchlab.sweep.preflight import DaskUnavailable, PrefectUnavailable
+from batchlab.sweep.tasks import Lane, Results, Work
 from batchlab.training import threads
 
 # the worker's checkout of the repo, when it is not at the path the sweep was started from
@@ -129,7 +130,7 @@ def experiment(lane: Lane, work: Work, name: str, root: str, outputs: str, want:
 @flow(name="batchlab-sweep-dask", validate_parameters=False)
 def on_cluster(lane: Lane, work: list[Work], want: Expected, sweep_id: str) -> dict[str, dict[str, Any]]:
     """Submit every task at once; the scheduler places them on free worker threads. A task is one
-    of the sweep's work items (plan.Work: an experiment, or the seeds of one batch size trained
+    of the sweep's work items (tasks.Work: an experiment, or the seeds of one batch size trained
     together as the local executor groups them; seeds' branches; the clock; an experiment's truth)."""
     paths = lane.paths
     root, outputs = str(paths.root.resolve()), os.path.relpath(paths.outputs, paths.root)

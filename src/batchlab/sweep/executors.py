@@ -25,7 +25,7 @@ from typing import Any
 
 from batchlab.config import Config
 from batchlab.sweep import groups, progress
-from batchlab.sweep.plan import Lane, Results, Work
+from batchlab.sweep.tasks import Lane, Results, Work
 
 # runs the work items still to do and returns their result rows by name
 Runner = Callable[[Lane, list[Work]], Results]

@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 from batchlab import atomic, data, kept, tracking
 from batchlab.config import Config
 from batchlab.sweep import probes, scoring, truth
-from batchlab.sweep.plan import KEY_TAG, Experiment, Keyed, Lane, Work, experiment_tags, keyed
+from batchlab.sweep.plan import KEY_TAG, Experiment, Keyed, experiment_tags, keyed
+from batchlab.sweep.tasks import Lane, Work
 from batchlab.tracking import children
 from batchlab.training import threads, tracked
 from batchlab.training.throughput import Table

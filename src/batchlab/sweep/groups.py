@@ -25,7 +25,8 @@ from batchlab.paths import Paths
 from batchlab.seeds import vectorized
 from batchlab.sweep import branches, experiment, lock, speeds, truth
 from batchlab.sweep.experiment import Stopwatch
-from batchlab.sweep.plan import Branches, Clock, Experiment, Experiments, Keyed, Lane, Truth, Work, folder_of, keyed
+from batchlab.sweep.plan import Experiment, Keyed, folder_of, keyed
+from batchlab.sweep.tasks import Branches, Clock, Experiments, Lane, Truth, Work
 from batchlab.training import threads, tracked
 from batchlab.training.strategy import session
 from batchlab.training.train import TrainResult

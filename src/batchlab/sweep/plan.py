@@ -11,9 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from batchlab import data
 from batchlab.config import Config, ConfigError, TrainConfig, parse_config
@@ -50,26 +49,6 @@ class Experiment:
         return f"{'adaptive' if self.adaptive else f'bs{self.batch_size}'}{lr}-seed{self.seed}"
 
 
-# work items' result rows, by experiment name
-Results = dict[str, dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class Lane:
-    """Where a sweep's experiments train and are recorded: its config, its folders (on this machine
-    or this Dask worker), its parent MLflow run and its clock: the throughput table every
-    experiment's speed is read from (sweep/speeds.py; None: each its own epochs')."""
-
-    cfg: Config
-    paths: Paths
-    parent_run_id: str | None = None
-    clock: Table | None = None
-    tags: dict[str, str] = field(default_factory=dict)  # every child run's: run.origin_tags
-
-    def folder(self, exp: Experiment) -> Paths:
-        return folder_of(self.paths, exp)
-
-
 def folder_of(paths: Paths, exp: Experiment) -> Paths:
     """The experiment's own folder for models/, reports/, its checkpoint and result.json."""
     return folder_named(paths, exp.name)
@@ -78,67 +57,6 @@ def folder_of(paths: Paths, exp: Experiment) -> Paths:
 def folder_named(paths: Paths, name: str) -> Paths:
     """The folder of the experiment named `name` (Experiment.name)."""
     return Paths(root=paths.root, out=paths.outputs / "sweep" / "experiments" / name)
-
-
-@dataclass(frozen=True)
-class Experiments:
-    """A task of the sweep: one experiment, or the seeds of one batch size and lr multiplier trained
-    together (decided once for the whole sweep: groups.groups)."""
-
-    experiments: tuple[Experiment, ...]
-
-    @property
-    def name(self) -> str:
-        return "+".join(exp.name for exp in self.experiments)
-
-    def __len__(self) -> int:
-        return len(self.experiments)
-
-
-@dataclass(frozen=True)
-class Branches:
-    """A task of the sweep: seeds' local-CBS branches (sweep/branches.py), no experiment. `together`:
-    the sweep's one answer to whether its seeds train together (then one task holds them all)."""
-
-    seeds: tuple[int, ...]
-    together: bool
-
-    @property
-    def name(self) -> str:
-        return "local-cbs-" + "+".join(f"seed{seed}" for seed in self.seeds)
-
-
-@dataclass(frozen=True)
-class Clock:
-    """A task of the sweep: its throughput table, `batch_sizes` timed side by side (sweep/speeds.py),
-    stored under `key` (planned by the sweep: what a step's speed depends on)."""
-
-    batch_sizes: tuple[int, ...]
-    key: str
-
-    @property
-    def name(self) -> str:
-        return "clock"
-
-
-@dataclass(frozen=True)
-class Truth:
-    """A task of the sweep: the exact noise scale at `steps` of one experiment's kept weights
-    (sweep/truth.py), stored under `key` (the experiment's); the weights after `keep` go."""
-
-    experiment: str  # its name: its folder (folder_named)
-    key: str
-    steps: tuple[int, ...]
-    keep: int
-
-    @property
-    def name(self) -> str:
-        return f"truth-{self.experiment}"
-
-
-# what an executor runs (groups.train_work dispatches on the kind): the sweep's measurements, each a
-# keyed task whose result is stored; run.finish reads only what they stored
-Work = Experiments | Branches | Clock | Truth
 
 
 @dataclass(frozen=True)

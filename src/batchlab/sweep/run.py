@@ -19,7 +19,7 @@ from batchlab.config import Config
 from batchlab.paths import Paths
 from batchlab.seeds import vectorized
 from batchlab.study import analysis, clock, local_cbs, report
-from batchlab.sweep import branches, executors, experiment, groups, plan, progress, speeds, truth
+from batchlab.sweep import branches, executors, experiment, groups, plan, progress, speeds, tasks, truth
 from batchlab.sweep import state as sweep_state
 from batchlab.sweep.lock import exclusive
 from batchlab.sweep.state import Sweep
@@ -36,7 +36,7 @@ def prepare(cfg: Config, paths: Paths, executor: executors.Executor) -> Sweep:
     dataset = data.load(paths.data)
     experiments = plan.plan(cfg, dataset.train.y.shape[0], dataset)
     apart = vectorized.sweep_trains_apart(cfg, lambda: dataset)  # the one answer: its tasks carry it
-    lane = plan.Lane(cfg, paths)  # before the parent run: these tasks open no child run
+    lane = tasks.Lane(cfg, paths)  # before the parent run: these tasks open no child run
     if plan.needs_schedule(experiments, cfg):  # the adaptive row's batch warmup: CBS(t), measured first
         executor.run(lane, list(branches.work_items(cfg, paths, together=apart is None)))
         experiments = plan.with_schedule(experiments, local_cbs.schedule(local_points(cfg, paths, dataset)))
@@ -255,7 +255,7 @@ def description(
     return f"{configuration(cfg, tags)}\n{report.headline(study)}\n{view}{markdown}"
 
 
-def run_counted(executor: executors.Executor, lane: plan.Lane, sweep: Sweep) -> dict[str, dict[str, Any]]:
+def run_counted(executor: executors.Executor, lane: tasks.Lane, sweep: Sweep) -> dict[str, dict[str, Any]]:
     """The experiments still to do, through `executor`, counted done / total with the time left;
     grouped here, once, into the work items every executor runs (groups.groups). With
     sweep.local_cbs, the seeds' branches not yet stored are work items too (one for the seeds
@@ -265,7 +265,7 @@ def run_counted(executor: executors.Executor, lane: plan.Lane, sweep: Sweep) -> 
     seeds = branches.work_items(lane.cfg, lane.paths, together=sweep.seeds_apart is None)
     if not sweep.todo and not seeds:
         return executor.run(lane, [])
-    work: list[plan.Work] = [*seeds, *(groups.groups(lane.cfg, sweep.todo, sweep.seeds_apart) if sweep.todo else [])]
+    work: list[tasks.Work] = [*seeds, *(groups.groups(lane.cfg, sweep.todo, sweep.seeds_apart) if sweep.todo else [])]
     total = len(sweep.experiments) + len(seeds)  # each branch task counts as one
     with progress.counting(total, len(sweep.experiments) - len(sweep.todo)):
         return executor.run(lane, work)
@@ -284,7 +284,7 @@ def run_prepared(cfg: Config, paths: Paths, executor: executors.Executor, sweep:
     once the target is known, the truth tasks through it, then its report."""
     tags = origin_tags(executor.name)
     with parent_run(cfg, paths, sweep, tags) as parent:
-        lane = plan.Lane(cfg, paths, parent.run_id, sweep.clock, tags)
+        lane = tasks.Lane(cfg, paths, parent.run_id, sweep.clock, tags)
         results = run_counted(executor, lane, sweep)
         rows = sweep.rows(results)
         executor.run(lane, list(truth.work(paths, rows, target_of(cfg, rows))))

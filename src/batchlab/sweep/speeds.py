@@ -2,7 +2,7 @@
 sweep's first step and read by every figure in seconds (samples/s, seconds to the target, the
 verdict's fastest, the recommendation).
 
-It is a task of the sweep (plan.Clock: in a lane, or on a Dask worker, where the experiments
+It is a task of the sweep (tasks.Clock: in a lane, or on a Dask worker, where the experiments
 train), kept in sweep/throughput.json (the sweep folder is DVC's, persisted), keyed by what a step's
 speed depends on: the model, the data's shape, the strategy, precision, device, optimizer and
 threads, the machine and the code. A resumed or re-reported sweep reads the same table, so its
@@ -22,7 +22,8 @@ from typing import Any
 from batchlab import atomic, data, kept
 from batchlab.config import Config
 from batchlab.paths import Paths
-from batchlab.sweep.plan import Clock, Experiment, code_hash
+from batchlab.sweep.plan import Experiment, code_hash
+from batchlab.sweep.tasks import Clock
 from batchlab.training import threads, throughput
 from batchlab.training.throughput import Table
 

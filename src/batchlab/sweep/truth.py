@@ -7,7 +7,7 @@ gradient (training/gns_exact.py); and at the weights the in-training reading the
 measured (a sweep's probe measures a val point's weights), which is what that estimate is held to:
 B_simple at one iterate scatters by 2x and more from one val point to the next, so a reading at
 other weights is no check of the estimator. Once the experiments have finished, each experiment's
-values are a task of the sweep (plan.Truth), run by its executor and kept in the experiment's
+values are a task of the sweep (tasks.Truth), run by its executor and kept in the experiment's
 reports/exact_noise.json, keyed by its key and by step; the report only reads them.
 """
 
@@ -21,7 +21,7 @@ from batchlab.config import Config
 from batchlab.paths import Paths
 from batchlab.study import analysis, critical
 from batchlab.sweep import plan
-from batchlab.sweep.plan import Truth
+from batchlab.sweep.tasks import Truth
 from batchlab.training.curve_weights import CurveWeights
 
 EXACT = "exact_noise.json"
