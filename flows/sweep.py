@@ -1,5 +1,6 @@
-"""Prefect flow: the batch-size sweep, one task per experiment (or per batch size whose seeds train
-together, groups.py), `sweep.parallel` at a time."""
+"""Prefect flow: the batch-size sweep, one task per measurement it makes (sweep/tasks.py: the clock,
+each experiment or batch size whose seeds train together, seeds' branches, each experiment's
+truth), `sweep.parallel` at a time."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The sweep on a dask.distributed cluster: one Prefect task run per experiment on a DaskTaskRunner
-(per seed group where the local executor trains a batch size's seeds together: groups.py).
+"""The sweep on a dask.distributed cluster: one Prefect task run per task of the sweep on a
+DaskTaskRunner (sweep/tasks.py: an experiment, or a seed group where the local executor trains a
+batch size's seeds together; seeds' branches; the clock; an experiment's truth).
 
 Each task runs the very function the local executor runs (groups.train_work), so results,
 MLflow child runs, resume and the report are the same. Before training, a task checks that its
