@@ -11,7 +11,8 @@ from torch import nn
 from batchlab import atomic, data
 from batchlab.paths import Paths
 from batchlab.sweep import executors, groups, speeds
-from batchlab.sweep.plan import Lane, plan
+from batchlab.sweep.plan import plan
+from batchlab.sweep.tasks import Lane
 from tests.support import seeds_apart, tiny_config
 
 HERE = "tests.sweep.test_groups"

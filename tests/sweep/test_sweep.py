@@ -25,8 +25,9 @@ from batchlab.paths import Paths
 from batchlab.sweep import executors, experiment
 from batchlab.sweep import plan as sweep_plan
 from batchlab.sweep.lock import exclusive
-from batchlab.sweep.plan import Lane, experiment_config, folder_of, plan
+from batchlab.sweep.plan import experiment_config, folder_of, plan
 from batchlab.sweep.run import finish, origin_tags, prepare, run_sweep
+from batchlab.sweep.tasks import Lane
 from batchlab.training import throughput
 from batchlab.training.curve_weights import CurveWeights
 from batchlab.training.optim import scaled_lr
