@@ -65,7 +65,8 @@ def run_work(lane: Lane, work: Work) -> dict[str, Any]:
 def train_work(lane: Lane, work: Work) -> dict[str, Any]:
     """What the task measured, claimed first (lock.claimed): a second copy of the task, run while the
     first still trains, waits and then finds it committed. Experiments: every result row, by name;
-    seeds' local-CBS branches: their stored points by seed, under the task's name."""
+    seeds' local-CBS branches: their stored points by seed; the clock: the throughput table; an
+    experiment's truth: its exact figures by step; each of the last three under the task's name."""
     match work:
         case Branches():
             with lock.claimed(lane.paths, [work.name]):  # on the threads every task here gets (run_work's callers)
