@@ -43,8 +43,10 @@ def _wait_for_epoch(repo: Path, epoch: int, proc: subprocess.Popen[bytes]) -> Pa
 
 
 # the docs' figure (README, docs/strategies.md): DDP and FSDP end within this of one process at
-# model.dropout 0, after the default params' whole run (20 epochs, 860 steps; 1.5e-7 measured here)
-EQUAL_WITHIN = 1e-5
+# model.dropout 0, after the default params' whole run (20 epochs, 860 steps): 1.5e-7 measured on
+# one machine here, 3.0e-5 on another (AMD EPYC, AVX-512), the same code and data: the ranks'
+# summation order, amplified by 860 Adam steps as far as the CPU's kernels round
+EQUAL_WITHIN = 1e-4
 
 
 def test_fsdp_ddp_and_single_process_end_equal_at_the_default_params_and_fsdp_passes_onnx_parity(
@@ -68,7 +70,7 @@ def test_fsdp_ddp_and_single_process_end_equal_at_the_default_params_and_fsdp_pa
     out = run(["batchlab", "train"], repo_copy)
     fsdp = trained_weights(repo_copy)
     assert max_diff(single, ddp) < EQUAL_WITHIN and max_diff(single, fsdp) < EQUAL_WITHIN
-    assert max_diff(ddp, fsdp) < EQUAL_WITHIN
+    assert max_diff(ddp, fsdp) == 0.0  # the same reduction: FSDP's gathered weights are DDP's to the bit
     assert out.stderr.count("epoch 20/20") == 1  # only rank 0 reports
     assert not (repo_copy / CHECKPOINTS / "train.dcp").exists()  # a finished training leaves no checkpoint
     run(["batchlab", "export"], repo_copy)  # fails unless onnxruntime agrees with torch within export.atol

@@ -197,7 +197,8 @@ def run(lane: Lane, work: list[Work]) -> dict[str, dict[str, Any]]:
     sweep_id = stop.new_id()
     try:
         # DaskTaskRunner is a TaskRunner of its own future type, which with_options does not spell
-        flow_ = on_cluster.with_options(task_runner=runner)  # type: ignore[arg-type]
+        # one flow run a phase of the sweep (its clock; experiments and branches; their truth), named so
+        flow_ = on_cluster.with_options(task_runner=runner, flow_run_name=phase(work))  # type: ignore[arg-type]
         with _without_tracebacks_of(lost):
             return flow_(lane, work, expected(lane.paths), sweep_id)
     except lost as err:
@@ -219,6 +220,11 @@ def run(lane: Lane, work: list[Work]) -> dict[str, dict[str, Any]]:
             f"lost the Prefect server at {PREFECT_API_URL.value()} mid-sweep ({type(err).__name__}); the finished "
             f"experiments are kept: start it again and run the sweep again to resume"
         ) from None
+
+
+def phase(work: list[Work]) -> str:
+    """The flow run's name: the kinds of task it runs, e.g. `sweep-clock`, `sweep-experiments`."""
+    return "sweep-" + "+".join(sorted({type(item).__name__.lower() for item in work}))
 
 
 def _unreachable_prefect(err: BaseException) -> bool:
