@@ -64,6 +64,16 @@ class Cluster:
         cmd += [] if nanny else ["--no-nanny"]  # without one, a worker the scheduler removed is not killed
         self.start(name, cmd, "Registered to:", DASK_DISTRIBUTED__WORKER__DAEMON="False", **env)
 
+    def warm(self) -> None:
+        """Every live worker imports what a sweep's task runs (torch, batchlab, Prefect's engine), so
+        the first tasks of a test's sweep start together: a worker that ran the sweep's clock is warm,
+        and a cold one started its first experiment some 15 s after (loaded CI), too late to train
+        beside the other."""
+        from distributed import Client
+
+        with Client(self.address, timeout=60) as client:
+            client.run(exec, "import batchlab.sweep.cluster, batchlab.sweep.groups")
+
     def pause(self, name: str) -> None:
         """SIGSTOP: the worker holds what it was given and runs nothing until `resume`."""
         os.killpg(self.procs[name].pid, signal.SIGSTOP)

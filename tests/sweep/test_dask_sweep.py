@@ -214,10 +214,13 @@ def test_worker_killed_after_finishing_an_experiment_is_not_trained_again(setup:
     shutil.rmtree(setup.clone / "sweep", ignore_errors=True)
     folder = _sweep_dir(setup, "finished-then-killed")
     w1_before = _completed(setup, "w1")
-    setup.cluster.pause("w1")
+    with open(folder / "sweep.log", "w") as log:
+        proc = subprocess.Popen(["batchlab", "sweep"], cwd=folder, env=setup.env, stdout=log, stderr=log)
     try:
-        with open(folder / "sweep.log", "w") as log:
-            proc = subprocess.Popen(["batchlab", "sweep"], cwd=folder, env=setup.env, stdout=log, stderr=log)
+        # the sweep's first task, its clock, runs on either worker; w1 stops before the experiments start
+        clock = folder / "sweep" / "throughput.json"
+        wait_until(clock.is_file, "the sweep's clock", process=proc, log=folder / "sweep.log")
+        setup.cluster.pause("w1")
         done = wait_until(
             lambda: list((setup.clone / "sweep" / "experiments").glob("*/result.json")),
             "w2 to finish an experiment",
