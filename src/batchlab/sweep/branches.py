@@ -91,11 +91,7 @@ def work_items(cfg: Config, paths: Paths, together: bool) -> list[Branches]:
         return []
     dataset = data.load(paths.data)
     n_train, ks = int(dataset.train.y.shape[0]), multipliers(cfg, dataset)
-    seeds = []
-    for seed in cfg.sweep.seeds:
-        _, key, where, at = _placed(cfg, paths, dataset, seed, n_train, ks)
-        if [p["epoch"] for p in _read(where / "branches.json", key)] != at:
-            seeds.append(seed)
+    seeds = [seed for seed in cfg.sweep.seeds if _complete(cfg, paths, dataset, seed, n_train, ks) is None]
     if len(seeds) < 2 or not together:
         return [Branches((seed,), together) for seed in seeds]
     return [Branches(tuple(seeds), together)]
@@ -133,12 +129,20 @@ def read(cfg: Config, paths: Paths, dataset: data.Dataset) -> list[dict[str, Any
     n_train, ks = int(dataset.train.y.shape[0]), multipliers(cfg, dataset)
     per_seed = []
     for seed in cfg.sweep.seeds:
-        _, key, where, at = _placed(cfg, paths, dataset, seed, n_train, ks)
-        points = _read(where / "branches.json", key)
-        if [p["epoch"] for p in points] != at:
-            raise RuntimeError(f"local CBS: seed {seed}'s branches at epochs {at} are not stored in {where}")
+        points = _complete(cfg, paths, dataset, seed, n_train, ks)
+        if points is None:
+            raise RuntimeError(f"local CBS: seed {seed}'s branches are not all stored in {folder(paths)}")
         per_seed.append(points)
     return _over_seeds(cfg, per_seed, ks)
+
+
+def _complete(
+    cfg: Config, paths: Paths, dataset: data.Dataset, seed: int, n_train: int, ks: list[int]
+) -> list[dict[str, Any]] | None:
+    """A seed's stored points when its file holds every point under its key, else None."""
+    _, key, where, at = _placed(cfg, paths, dataset, seed, n_train, ks)
+    points = _read(where / "branches.json", key)
+    return points if [p["epoch"] for p in points] == at else None
 
 
 def _over_seeds(cfg: Config, per_seed: list[list[dict[str, Any]]], ks: list[int]) -> list[dict[str, Any]]:

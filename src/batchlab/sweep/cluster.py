@@ -139,9 +139,10 @@ def on_cluster(lane: Lane, work: list[Work], want: Expected, sweep_id: str) -> d
     items = {id(future): item for future, item in zip(futures, work, strict=True)}
     results: dict[str, dict[str, Any]] = {}
     for done in as_completed(futures):
-        groups.keep(paths, items[id(done)], done.result())  # a resume finds it even when the workers' folders are other
-        results.update(done.result())
-        progress.finished(done.result())
+        rows = done.result()
+        groups.keep(paths, items[id(done)], rows)  # a resume finds it even when the workers' folders are other
+        results.update(rows)
+        progress.finished(rows)
     return results
 
 

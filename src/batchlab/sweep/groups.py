@@ -93,7 +93,7 @@ def keep(paths: Paths, work: Work, results: dict[str, Any]) -> None:
                 if exp.name in results:
                     atomic.write_json(folder_of(paths, exp).outputs / "result.json", results[exp.name])
         case Clock():
-            atomic.write_json(speeds.table_path(paths), results[work.name])
+            speeds.keep(paths, results[work.name])
         case Truth():
             truth.keep(paths, work, results[work.name])
 

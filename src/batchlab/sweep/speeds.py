@@ -77,7 +77,13 @@ def measure(cfg: Config, paths: Paths, work: Clock) -> dict[str, Any]:
     log.info("sweep: timing batch sizes %s side by side (the throughput table)", ", ".join(map(str, work.batch_sizes)))
     with threads.on_threads(threads.sweep_threads(cfg, data.shape(paths.data))):
         table = throughput.measure(cfg, dataset, work.batch_sizes, work.key, probe=cfg.train.gns)
-    atomic.write_json(table_path(paths), table.to_dict())
+    keep(paths, table.to_dict())
     log.info("sweep: throughput table in %.1f s (load %.2f -> %.2f): %s", table.seconds, table.load_before[0],
              table.load_after[0], ", ".join(f"{b}: {table.samples_per_s(b):.0f}/s" for b in work.batch_sizes))
     return table.to_dict()
+
+
+def keep(paths: Paths, content: dict[str, Any]) -> None:
+    """The clock task's table stored in the sweep folder under `paths` (the worker's, or the
+    sweep's own when a Dask worker returned it)."""
+    atomic.write_json(table_path(paths), content)

@@ -86,12 +86,13 @@ def compute(cfg: Config, paths: Paths, task: Truth) -> dict[str, Any]:
             "b_simple": exact.b_simple, "grad_sq": exact.grad_sq, "trace": exact.trace,
             "trace_mask": exact.trace_mask, "rows": exact.rows, "draws": exact.draws}
     content = {"key": task.key, "steps": known}
-    atomic.write_json(folder.reports / EXACT, content)  # a retrained experiment's key differs
+    keep(paths, task, content)  # a retrained experiment's key differs
     return content
 
 
 def keep(paths: Paths, task: Truth, content: dict[str, Any]) -> None:
-    """What a truth task stored on its worker, stored in the sweep's own folder too."""
+    """A truth task's figures stored in the experiment's folder under `paths` (the worker's, or
+    the sweep's own when a Dask worker returned them)."""
     atomic.write_json(plan.folder_named(paths, task.experiment).reports / EXACT, content)
 
 
