@@ -45,14 +45,19 @@ from tests.support.chaos import (
     schedule,
 )
 from tests.support.dask import Cluster, servers
+from tests.support.models import waiting_model
 
 # one schedule a run (each holds every kind of fault), chosen by the commit under test so that
 # successive commits step through the soak's 20 (chaos.commit_schedule); bench_chaos runs all 20
 SEEDS = [int(s) for s in os.environ.get("BATCHLAB_CHAOS_SEEDS", str(commit_schedule())).split(",")]
-# twelve experiments of 6-16 s on two workers: the sweep outlasts the schedule's five faults (nine
-# of 5-13 s did not, for 5 of 20 schedules: a fault fired once the sweep had finished)
+# twelve experiments of 3-13 s on two workers: the sweep outlasts the schedule's five faults (nine
+# of 5-13 s did not, for 5 of 20 schedules: a fault fired once the sweep had finished). Their steps
+# wait (models.WAITING, PAUSE_MS a step): 15 epochs last longer than 150 of the plain MLP did alone,
+# on a tenth of its steps (0.6 ms of CPU each), so the faults land on as long a sweep without it taking a
+# core from the rest of the suite
 SWEEP = {"batch_sizes": [16, 32, 64], "seeds": [0, 1, 2, 3], "vectorize_seeds": False, "executor": "dask",
-         "epochs": 150}  # fmt: skip
+         "epochs": 15}  # fmt: skip
+PAUSE_MS = 2.5
 # what an experiment's row and the study hold that the clock decides: left out of the comparison
 TIMING_ROW = {"run_id", "finished_at", "samples_per_s", "epoch_seconds", "train_seconds", "overhead_seconds",
               "peak_rss_mib", "step_memory_mib", "step_memory_plain_mib", "epoch_examples",
@@ -76,7 +81,8 @@ def _sweep_folder(ground_repo: Path, name: str, address: str) -> Path:
     shutil.copytree(ground_repo / "data" / "prepared", folder / "data" / "prepared")
     params = yaml.safe_load((ground_repo / "params.yaml").read_text())
     tracking = {"enabled": True, "experiment": name, "registered_model": ""}
-    write_params(folder, merge(params, {"tracking": tracking, "sweep": {**SWEEP, "dask_address": address}}))
+    sweep, model = {**SWEEP, "dask_address": address}, waiting_model(folder, PAUSE_MS)
+    write_params(folder, merge(params, {"tracking": tracking, "model": model, "sweep": sweep}))
     return folder
 
 
@@ -102,7 +108,9 @@ def ground(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ground]:
     repo = copy_repo(tmp / "repo")
     set_params(repo, "data", samples=6000)  # experiments of some seconds: the faults land while they train
     run(["batchlab", "generate"], repo)
+    waiting_model(repo, PAUSE_MS)  # the workers' copy: they start in the repo, as a user's do
     with servers(tmp, repo) as up:
+        up.cluster.cwd = repo
         up.cluster.scheduler(**CHAOS_SCHEDULER)
         folder = _sweep_folder(repo, "undisturbed", up.cluster.address)
         chaos = Chaos(folder, up.cluster, up.mlflow, up.env)

@@ -395,7 +395,7 @@ def _documented_re_measure() -> str:
 @pytest.mark.e2e
 def test_re_measuring_through_dvc_exp_run_reaches_the_cluster(api: str, tmp_path: Path) -> None:
     repo = copy_repo(tmp_path / "repo")
-    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params = merge(yaml.safe_load((repo / "params.yaml").read_text()), TINY)  # what runs where is the point
     write_params(repo, merge(params, {"sweep": {"batch_sizes": [16, 32], "seeds": [0]}}))
     run(["dvc", "repro", "-q", "sweep"], repo)  # measured here, with the local executor
     run(["git", "add", "-A"], repo)

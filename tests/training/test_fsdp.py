@@ -89,10 +89,13 @@ def test_killed_fsdp_rank_resumes_to_the_same_weights_and_its_checkpoint_resumes
 
     launcher = subprocess.Popen(["batchlab", "train"], cwd=repo_copy, env=env_with_venv(), stderr=subprocess.PIPE)
     try:
-        saved = _wait_for_epoch(repo_copy, 2, launcher)
+        _wait_for_epoch(repo_copy, 2, launcher)
         ranks = [rank_process(launcher, r) for r in (0, 1)]
         for proc in ranks:  # frozen while the checkpoint is copied for the one-process resume below
             proc.suspend()
+        # the newest once frozen: the one seen may have given way to the next epoch's meanwhile
+        # (CI, load 3: "No such file or directory: .../train.dcp/epoch-0002")
+        saved = _wait_for_epoch(repo_copy, 2, launcher)
         folder = tmp_path / "copy" / "train.dcp"
         shutil.copytree(saved, folder / saved.name)
         for proc in ranks:
