@@ -259,13 +259,14 @@ def test_killed_sweep_resumes_without_redoing_finished_experiments_and_counts_bo
 @pytest.mark.integration
 def test_parallel_sweep_runs_experiments_in_processes_without_tracking_collisions(workdir: Path) -> None:
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
-    cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri}, sweep={"parallel": 2, "seeds": [0, 1]})
+    sweep = {"parallel": 2, "batch_sizes": [16, 32], "seeds": [0, 1]}  # four experiments, two at a time
+    cfg = tiny_config(tracking={**TRACK, "tracking_uri": uri}, sweep=sweep)
     stages.generate(cfg, Paths(workdir))
     run_sweep(cfg, Paths(workdir))
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("sweep-test").experiment_id])
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
-    assert len(children) == 6 and all(r.info.status == "FINISHED" for r in children)
+    assert len(children) == 4 and all(r.info.status == "FINISHED" for r in children)
     table = atomic.read_csv(workdir / "reports/sweep/summary.csv")
     assert all(r["seeds"] == "2" for r in table)
     assert "±" in (workdir / "reports/sweep/summary.md").read_text()  # mean ± std across seeds
