@@ -85,6 +85,22 @@ def test_a_tier_over_its_budget_is_warned_of_beside_its_test_time(
     assert "WARNING: the unit tier" not in result.stdout.str() and "(budget 100 s)" in result.stdout.str()
 
 
+def test_each_tier_and_the_heaviest_tests_are_told_in_cpu_seconds(pytester: pytest.Pytester) -> None:
+    """A test that computes for ~0.3 s is told at least that, one that sleeps as long near nothing:
+    test time stretches with the machine's load, CPU-seconds say where it went."""
+    source = (
+        "import time\n\ndef test_computes():\n    end = time.process_time() + 0.3\n"
+        "    while time.process_time() < end:\n        pass\n\ndef test_sleeps():\n    time.sleep(0.3)\n"
+    )
+    result = _inner(pytester, source)
+    result.assert_outcomes(passed=2)
+    lines = result.stdout.str().splitlines()
+    told = {line.split()[-1].split("::")[-1]: float(line.split()[0]) for line in lines if "test_inner.py::" in line}
+    assert told["test_computes"] >= 0.3 and told["test_sleeps"] < 0.1, lines
+    (tier,) = [line for line in lines if " 2 tests " in line]
+    assert tier.endswith(" CPU-seconds"), tier
+
+
 def test_a_parameter_never_recorded_is_handed_out_at_its_siblings_mean() -> None:
     """The chaos test's schedule changes with the commit: a schedule never timed is expected to take
     what the recorded ones took (not 1 s, which would hand a 10-minute test out last)."""

@@ -16,6 +16,7 @@ import functools
 import json
 import multiprocessing.util
 import os
+import resource
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -183,7 +184,34 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     return result
 
 
-# ---- what CI is told: load and cores at start and end, seconds per tier, the recorded durations
+# ---- what CI is told: load and cores at start and end, seconds and CPU-seconds per tier, the
+# recorded durations
+
+# A test's CPU-seconds: its own process's and those of the processes it started and reaped (servers
+# stopped, commands run), from its setup to its teardown. On 2 cores with a worker more than cores,
+# test time stretches with the load and CPU-seconds hardly do: they say where the wall goes. A module's
+# servers count where they are stopped (its last test); PostgreSQL's work and processes nobody reaps
+# (an orphaned grandchild) count nowhere.
+_CPU_AT = pytest.StashKey[float]()
+
+
+def cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)  # before the fixtures are set up
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_CPU_AT] = cpu_seconds()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """The teardown report carries the test's CPU-seconds (its user_properties travel to the
+    pytest-xdist controller with it)."""
+    if call.when == "teardown" and _CPU_AT in item.stash:
+        item.user_properties.append(("cpu_s", cpu_seconds() - item.stash[_CPU_AT]))
+    return (yield)
 
 
 def _load() -> str:
@@ -197,8 +225,10 @@ class _Summary:
     def __init__(self) -> None:
         self.started, self.load = time.monotonic(), _load()
         self.seconds = {t: 0.0 for t in TIERS}
+        self.cpu = {t: 0.0 for t in TIERS}
         self.counts = {t: 0 for t in TIERS}
         self.durations: dict[str, float] = {}
+        self.cpu_by_test: dict[str, float] = {}
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """On the controller too: pytest-xdist replays each worker's reports there."""
@@ -208,6 +238,10 @@ class _Summary:
         if report.when == "call":
             self.counts[tier] += 1
         self.durations[report.nodeid] = self.durations.get(report.nodeid, 0.0) + report.duration
+        cpu = dict(report.user_properties).get("cpu_s") if report.when == "teardown" else None
+        if isinstance(cpu, float):
+            self.cpu[tier] += cpu
+            self.cpu_by_test[report.nodeid] = cpu
 
     def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
         if hasattr(config, "workerinput"):
@@ -217,13 +251,19 @@ class _Summary:
         for tier in TIERS:
             if self.counts[tier]:
                 used, budget = self.seconds[tier], BUDGET_S[tier]
-                write(f"  {tier:<12} {self.counts[tier]:4d} tests  {used:7.0f} s of test time (budget {budget:.0f} s)")
+                told = f"{used:7.0f} s of test time (budget {budget:.0f} s), {self.cpu[tier]:.0f} CPU-seconds"
+                write(f"  {tier:<12} {self.counts[tier]:4d} tests  {told}")
                 if used > budget:
                     write(
                         f"  WARNING: the {tier} tier took {used:.0f} s of test time, over its budget of {budget:.0f} s "
                         "(tests/support/tiers.py BUDGET_S): the slowest below are where it went",
                         yellow=True,
                     )
+        heaviest = sorted(self.cpu_by_test.items(), key=lambda kv: -kv[1])[:10]
+        if heaviest:
+            write("  the most CPU-seconds (a test's and its processes', setup to teardown):")
+            for nodeid, cpu in heaviest:
+                write(f"  {cpu:7.1f}  {nodeid}")
         out = os.environ.get("BATCHLAB_DURATIONS_OUT")
         if out:  # `make test-durations`: merge this run's figures into the file's (or the recorded ones)
             path = Path(out)

@@ -32,6 +32,7 @@ from tests.support import (
     wait_until,
 )
 from tests.support.dataset_race import log_the_dataset_at_once
+from tests.support.models import waiting_model
 
 pytestmark = pytest.mark.integration  # MLflow stores written in this process (SQLite), or servers: e2e
 
@@ -333,7 +334,9 @@ def test_sigkilled_train_is_reaped_and_its_resumed_training_continues_the_same_r
     assert not checkpoint.exists() and not (repo_copy / ".batchlab/checkpoints/train.pt.run").exists()
 
 
-SLOW_EPOCHS = {"samples": 10000}  # ~0.4 s epochs here: the server dies and returns while training runs
+# ~0.4 s epochs (27 steps of a waiting MLP, models.WAITING): the server dies and returns while training
+# runs, on little CPU (10,000 rows of the plain MLP made such epochs: 120 of them, a core for a minute)
+STEP_PAUSE_MS = 15.0
 
 
 def _train_then_kill_the_server(
@@ -341,7 +344,7 @@ def _train_then_kill_the_server(
 ) -> tuple[subprocess.Popen[str], Path]:
     """`batchlab train` logging to `server`, which dies once epoch 2 is checkpointed."""
     set_params(repo, "tracking", enabled=True)
-    set_params(repo, "data", **SLOW_EPOCHS)
+    set_params(repo, "model", **waiting_model(repo, STEP_PAUSE_MS))
     set_params(repo, "train", epochs=epochs, batch_size=16)
     run(["batchlab", "generate"], repo)
     checkpoint = repo / ".batchlab/checkpoints/train.pt"
