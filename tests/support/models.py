@@ -29,7 +29,7 @@ BATCHNORM = textwrap.dedent(
 # experiment lasts as long as one of many more epochs while its process sleeps. The fault tests need
 # experiments that train for seconds (the faults land while they do) without spending a core on it
 # (the chaos test's 150 epochs of the plain MLP were 300 of its 380 CPU-seconds in CI). The
-# wait changes no number: the weights are the MLP's, step for step.
+# wait changes no number: without it the same network trains to the same weights.
 WAITING = textwrap.dedent(
     """
     import time
