@@ -29,11 +29,12 @@ $(STAMP): requirements.lock pyproject.toml
 run: setup  ## the whole pipeline: generate -> train -> evaluate -> export, and the sweep
 	$(BIN)/dvc repro
 
-# headline metrics always; params only where experiments differ; no per-file hash columns
+# headline metrics always; params only where experiments differ; no per-file hash columns and no
+# Created column (a commit older than today shows a 12-character date there, past 100 columns)
 compare:  ## experiments side by side: the params that differ, accuracy, F1 (macro), ROC-AUC, B_crit, the batch
 	@$(BIN)/dvc exp show --only-changed --precision 4 \
-	  --keep 'Experiment$$|Created$$|accuracy$$|f1_macro$$|roc_auc$$|b_crit$$|recommended_batch_size$$' \
-	  --drop '.*/|precision_|recall_|f1_|^(atol|file_bytes|max_abs_diff|opset|seeds|test_rows)$$|^latency\.|^b_|^(e_min|s_min|fit_r2|target_val_loss|best_f1_batch_size|recommended_speedup|recommended_f1_minus_best)$$|.*_seconds$$'
+	  --keep 'Experiment$$|accuracy$$|f1_macro$$|roc_auc$$|b_crit$$|recommended_batch_size$$' \
+	  --drop '^Created$$|.*/|precision_|recall_|f1_|^(atol|file_bytes|max_abs_diff|opset|seeds|test_rows)$$|^latency\.|^b_|^(e_min|s_min|fit_r2|target_val_loss|best_f1_batch_size|recommended_speedup|recommended_f1_minus_best)$$|.*_seconds$$'
 
 lint: setup  ## ruff, ruff format --check, mypy, hadolint
 	$(BIN)/ruff check .

@@ -85,7 +85,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory, api: str) -> Iterator[Setup]
         env = env_with_venv(PREFECT_API_URL=api, MLFLOW_TRACKING_URI=mlflow.uri)
         cluster = Cluster(tmp, env)
         try:
-            cluster.scheduler()
+            # at most one task a one-thread worker (Dask's default, 1.1, queues a second on it): two
+            # experiments on two idle workers go one to each, so pausing w1 leaves w2 one to finish
+            cluster.scheduler(DASK_DISTRIBUTED__SCHEDULER__WORKER_SATURATION="1.0")
             cluster.worker("w1")
             cluster.worker("w2", BATCHLAB_WORKER_ROOT=str(clone))
             yield Setup(repo, clone, cluster, mlflow, env)
