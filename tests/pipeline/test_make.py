@@ -67,8 +67,8 @@ def test_make_compare_fits_a_terminal_and_shows_changed_params_and_headline_metr
     # unchanged params, per-class metrics, the deps' hash columns, export's latencies and the
     # study's other figures are left out, and the Created column (a commit older than today shows
     # a date there, four characters wider than today's time): nothing is cut, and it fits 100 columns
-    unwanted = ("…", "Created", "train.epochs", "precision_0", "f1_weighted", "src/batchlab", "data/prepared", "latency",
-                "file_bytes", "b_simple", "sweep_wall_seconds", "fit_r2")  # fmt: skip
+    unwanted = ("…", "Created", "train.epochs", "precision_0", "f1_weighted", "src/batchlab", "data/prepared",
+                "latency", "file_bytes", "b_simple", "sweep_wall_seconds", "fit_r2")  # fmt: skip
     for column in unwanted:
         assert column not in shown, f"{column!r} shown:\n{shown}"
     assert max(len(line) for line in shown.splitlines()) <= 102, shown
