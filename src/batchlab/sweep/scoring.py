@@ -11,10 +11,7 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
-from batchlab import data
+from batchlab import data, evaluate
 from batchlab.tracking import Tracker
 from batchlab.training.throughput import Table
 from batchlab.training.tracked import Trained
@@ -75,18 +72,6 @@ SUMMARY = {
 }
 
 
-def accuracy_and_macro_f1(y_true: np.ndarray, y_pred: np.ndarray, classes: int) -> tuple[float, float]:
-    """Accuracy and macro F1 over classes 0 .. classes-1, a class with no true and no predicted row
-    counting 0: scikit-learn's accuracy_score and f1_score(labels=..., average="macro",
-    zero_division=0) to the bit (tests/sweep/test_scoring.py), without importing scikit-learn, which
-    costs an experiment's process ~1.2 s of its ~3 s start."""
-    counts = np.bincount(y_true * classes + y_pred, minlength=classes * classes).reshape(classes, classes)
-    tp = np.diag(counts).astype(np.float64)
-    denominator = counts.sum(0) + counts.sum(1)  # 2tp + fp + fn
-    f1 = np.divide(2 * tp, denominator, out=np.zeros(classes), where=denominator > 0)
-    return float(tp.sum() / len(y_true)), float(np.mean(f1))
-
-
 def score(
     exp: Experiment,
     key: str,
@@ -103,9 +88,7 @@ def score(
     sweep's throughput table, which its seconds to the target are counted on."""
     started = time.perf_counter() - seconds
     history, curve = trained.history, trained.val_curve
-    with torch.no_grad():  # as `batchlab evaluate` predicts (evaluate.score_model)
-        y_pred = torch.softmax(trained.model(torch.from_numpy(dataset.test.x)), dim=1).numpy().argmax(1)
-    accuracy, f1 = accuracy_and_macro_f1(dataset.test.y, y_pred, len(dataset.class_names))
+    accuracy, f1 = evaluate.split_accuracy_and_macro_f1(trained.model, dataset)
     train_seconds = sum(h["epoch_seconds"] for h in history)
     result = {
         **asdict(exp),

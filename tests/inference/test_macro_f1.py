@@ -1,4 +1,4 @@
-"""The sweep's own accuracy and macro F1 (numpy: an experiment's process does not import
+"""The sweep's accuracy and macro F1 of an experiment (numpy: its process does not import
 scikit-learn) against scikit-learn's, which `batchlab evaluate` reports."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import accuracy_score, f1_score
 
-from batchlab.sweep.scoring import accuracy_and_macro_f1
+from batchlab.evaluate import accuracy_and_macro_f1
 
 
 def _sklearn(y_true: np.ndarray, y_pred: np.ndarray, classes: int) -> tuple[float, float]:
