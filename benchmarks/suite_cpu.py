@@ -29,6 +29,9 @@ from typing import Any
 
 import psutil
 
+from batchlab import atomic
+from common import Table, markdown
+
 INTERVAL_S = 0.2
 # the programs a command line is charged to, first match wins; group 1 (when present) names it
 KINDS = (
@@ -112,18 +115,17 @@ def main() -> int:
     wall, machine = time.time() - start, cpu_of_machine() - machine_before
     rows = table(seen)
     sampled = sum(r["cpu_s"] for r in rows)
-    print(
+    title = (
         f"`{' '.join(command)}`: exit {rc}, {wall:.0f} s wall, load before {load[0]:.2f} (1 min); "
         f"the machine's CPU {machine:.0f} s on {os.cpu_count()} cores, {sampled:.0f} s of it sampled "
-        f"in {len(seen)} processes\n"
+        f"in {len(seen)} processes"
     )
-    print("| program | CPU s | share | processes | CPU s a process |\n|---|---|---|---|---|")
+    shown = Table(title, ["program", "CPU s", "share", "processes", "CPU s a process"])
     for r in rows:
         if r["cpu_s"] >= 1:
-            print(
-                f"| {r['program']} | {r['cpu_s']:.0f} | {r['cpu_s'] / sampled:.1%} | {r['processes']} "
-                f"| {r['cpu_s'] / r['processes']:.2f} |"
-            )
+            shown.add(r["program"], f"{r['cpu_s']:.0f}", f"{r['cpu_s'] / sampled:.1%}", r["processes"],
+                      f"{r['cpu_s'] / r['processes']:.2f}")  # fmt: skip
+    print(markdown([shown.as_dict()]))
     record = {
         "command": command,
         "exit": rc,
@@ -134,9 +136,7 @@ def main() -> int:
         "programs": rows,
         "processes": list(seen.values()),
     }
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(record))
-    tmp.replace(args.out)
+    atomic.write_text(args.out, json.dumps(record))
     return rc
 
 
