@@ -48,7 +48,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
+
+from batchlab.training.gns_exact import exact_noise_scale
 
 Teacher = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str]
 
@@ -78,22 +79,11 @@ def draw(t: Teacher, n: int, temp: float, seed: int) -> tuple[torch.Tensor, torc
     return torch.from_numpy((z @ rotation.T).astype(np.float32)), torch.from_numpy(y), bayes
 
 
-def b_simple(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 4096) -> float:
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def loss(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
-
-    per_example = vmap(grad(loss), in_dims=(None, 0, 0))
-    total, squares = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-    for i in range(0, len(x), chunk):
-        grads = per_example(params, x[i : i + chunk], y[i : i + chunk])
-        flat = torch.cat([g.reshape(g.shape[0], -1) for g in grads.values()], 1).double()
-        total, squares = total + flat.sum(0), squares + (flat**2).sum()
-    m = len(x)
-    mean = total / m
-    trace = (squares - m * (mean**2).sum()) / (m - 1)
-    return float(trace / ((mean**2).sum() - trace / m))
+def b_simple(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """tr(Σ)/|G|² of the distribution the rows are drawn from: batchlab's exact noise scale over
+    the rows (their own population), its |G|² less the tr(Σ)/M that M rows' mean adds to it."""
+    exact = exact_noise_scale(model, nn.functional.cross_entropy, x, y)
+    return exact.trace / (exact.grad_sq - exact.trace / exact.rows)
 
 
 def run(cfg: dict[str, Any], t: Teacher, batch: int, lr: float, seed: int) -> tuple[dict[float, float], list[float]]:
